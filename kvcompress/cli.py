@@ -1,0 +1,47 @@
+"""The `kvcompress` command line (also `python -m kvcompress.cli`)."""
+
+from __future__ import annotations
+
+import click
+
+from kvcompress import __version__
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="kvcompress")
+def main():
+    """Shrink the KV cache of transformer LLMs."""
+
+
+@main.command()
+@click.argument("model", default="smollm2-135m")
+@click.argument("prompt", default="Explain in two sentences why the sky is blue.")
+@click.option("--preset", "-p", default="none", show_default=True, help="Preset name or a config .safetensors file.")
+@click.option("--max-new-tokens", "-n", default=64, show_default=True, type=click.IntRange(1, 100_000))
+@click.option("--device", default=None, help="cpu, cuda, ... (default: where the model loads)")
+@click.option("--chat/--no-chat", default=True, show_default=True, help="Wrap the prompt in the chat template.")
+def generate(model, prompt, preset, max_new_tokens, device, chat):
+    """Generate greedily with a CompressedCache and print the text and the memory report."""
+    from kvcompress.cache import CompressedCache
+    from kvcompress.compat import with_cache
+    from kvcompress.models import load_model
+    from kvcompress.report import print_memory_report
+
+    m, tok = load_model(model, device=device)
+    if chat and tok.chat_template:
+        text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+    else:
+        text = prompt
+    inputs = tok(text, return_tensors="pt").to(m.device)
+    cache = CompressedCache(m.config, preset)
+    out = m.generate(**inputs, **with_cache(cache), max_new_tokens=max_new_tokens, do_sample=False)
+    click.echo(tok.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))
+    print_memory_report(cache.memory_report(), title=f"KV cache memory ({cache.kv_config.name})")
+
+
+# Further commands live in their own modules and register here.
+# (one line each; keep this list sorted)
+
+
+if __name__ == "__main__":
+    main()

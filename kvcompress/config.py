@@ -1,0 +1,307 @@
+"""What the user asks for: a per-layer policy of how K and V are kept, saved as one safetensors file.
+
+Tensors (codebooks, scales, thresholds) live under flat keys such as ``layers.3.key.codebook``;
+the structure is JSON in the safetensors metadata under ``"kvcompress"``, checked against an
+allow-list and the format version on load. Nothing is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from dataclasses import asdict, dataclass, field, fields, replace
+
+import torch
+
+from kvcompress.layout.arch import ModelLayout
+
+FORMAT_VERSION = 1
+
+QUANT_METHODS = ("none", "fp8", "int", "nuq", "bnb")
+FP8_FORMATS = ("e4m3", "e5m2")
+QUANT_AXES = ("channel", "token")
+SPARSITY_METHODS = ("none", "streaming", "h2o", "snapkv", "quest")
+# Per-stream tensors a config may carry (key.<name> / value.<name>), and per-layer ones.
+STREAM_TENSORS = ("codebook", "scale", "channel_mean", "channel_scale", "outlier_threshold", "rotation_signs")
+LAYER_TENSORS = ()
+_TENSOR_KEY = re.compile(r"^layers\.(\d+)\.(key|value)\.([a-z_]+)$")
+
+
+class ConfigError(ValueError):
+    """A kvcompress config that cannot be used: the message says what is wrong and how to fix it."""
+
+
+@dataclass
+class QuantSpec:
+    """How one stream (keys or values) of one layer is quantized.
+
+    method: "none" (model dtype), "fp8", "int" (KIVI-style asymmetric integers), "nuq" (non-uniform
+    codebook, KVQuant/TurboQuant style) or "bnb" (bitsandbytes NF4/FP4).
+    axis: "channel" = statistics per channel (keys, KIVI), "token" = per token (values).
+    group_size: channels per group for per-token statistics (0 = the whole head).
+    """
+
+    method: str = "none"
+    bits: int = 16
+    fp8_format: str = "e4m3"
+    axis: str = "token"
+    group_size: int = 0
+    outlier_fraction: float = 0.0
+    rotation: bool = False
+    bnb_type: str = "nf4"
+    bnb_blocksize: int = 64
+
+    def __post_init__(self):
+        if self.method not in QUANT_METHODS:
+            raise ConfigError(f"unknown quantization method {self.method!r}; use one of {QUANT_METHODS}")
+        if self.axis not in QUANT_AXES:
+            raise ConfigError(f"unknown quantization axis {self.axis!r}; use one of {QUANT_AXES}")
+        if self.method == "fp8":
+            if self.fp8_format not in FP8_FORMATS:
+                raise ConfigError(f"unknown fp8 format {self.fp8_format!r}; use one of {FP8_FORMATS}")
+            self.bits = 8
+        if self.method == "int" and self.bits not in (2, 3, 4, 8):
+            raise ConfigError(f"int quantization supports 2, 3, 4 or 8 bits, not {self.bits}")
+        if self.method == "nuq" and self.bits not in (2, 3, 4):
+            raise ConfigError(f"nuq quantization supports 2, 3 or 4 bits, not {self.bits}")
+        if self.method == "bnb":
+            self.bits = 4
+        if not 0.0 <= self.outlier_fraction < 0.5:
+            raise ConfigError(f"outlier_fraction must be in [0, 0.5), got {self.outlier_fraction}")
+        if self.group_size < 0:
+            raise ConfigError(f"group_size must be >= 0, got {self.group_size}")
+
+    @property
+    def is_lossless(self) -> bool:
+        return self.method == "none"
+
+
+@dataclass
+class SparsitySpec:
+    """Which tokens a layer keeps (H2O, StreamingLLM, SnapKV) or reads (Quest).
+
+    budget: tokens kept (or read, for Quest) per kv head; ratio: the same as a share of the
+    context, used when budget is 0. recent: the recent window always kept. page_size: Quest pages.
+    """
+
+    method: str = "none"
+    budget: int = 0
+    ratio: float = 0.0
+    recent: int = 0
+    sinks: int = 0
+    page_size: int = 16
+    observation_window: int = 32
+    pool_kernel: int = 7
+    dense_layers: int = 0
+
+    def __post_init__(self):
+        if self.method not in SPARSITY_METHODS:
+            raise ConfigError(f"unknown sparsity method {self.method!r}; use one of {SPARSITY_METHODS}")
+        if self.budget < 0 or not 0.0 <= self.ratio <= 1.0:
+            raise ConfigError(f"sparsity budget must be >= 0 and ratio in [0, 1]; got {self.budget}, {self.ratio}")
+        if self.method != "none" and self.budget == 0 and self.ratio == 0.0:
+            raise ConfigError(f"sparsity method {self.method!r} needs a token budget or a ratio of the context")
+
+
+@dataclass
+class LayerPolicy:
+    """How one layer keeps its cache.
+
+    page_size: tokens quantized together (one page of the paged store); residual: newest tokens kept in
+    full precision beyond the partly filled page; sinks: first tokens kept exact.
+    tensors: calibrated data, keyed "key.codebook", "value.scale", ...
+    """
+
+    key: QuantSpec = field(default_factory=QuantSpec)
+    value: QuantSpec = field(default_factory=QuantSpec)
+    page_size: int = 64
+    residual: int = 0
+    sinks: int = 0
+    sparsity: SparsitySpec = field(default_factory=SparsitySpec)
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.page_size < 1 or self.residual < 0 or self.sinks < 0:
+            raise ConfigError(
+                f"page_size must be >= 1 and residual, sinks >= 0; got {self.page_size}, {self.residual}, {self.sinks}"
+            )
+        for name in self.tensors:
+            stream, _, tname = name.partition(".")
+            if stream not in ("key", "value") or tname not in STREAM_TENSORS:
+                raise ConfigError(f"unknown layer tensor {name!r}; allowed: key|value.{STREAM_TENSORS}")
+
+    @property
+    def is_lossless(self) -> bool:
+        return self.key.is_lossless and self.value.is_lossless and self.sparsity.method == "none"
+
+    def stream_tensors(self, stream: str) -> dict[str, torch.Tensor]:
+        prefix = stream + "."
+        return {k[len(prefix):]: v for k, v in self.tensors.items() if k.startswith(prefix)}
+
+
+@dataclass
+class KVCompressConfig:
+    """A whole-model kvcompress config: one LayerPolicy per layer, for the model in `layout`."""
+
+    layout: ModelLayout
+    layers: list[LayerPolicy]
+    name: str = "custom"
+    version: int = FORMAT_VERSION
+    notes: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if len(self.layers) != self.layout.num_layers:
+            raise ConfigError(
+                f"config has {len(self.layers)} layer policies but the model has {self.layout.num_layers} layers"
+            )
+
+    # -- presets ----------------------------------------------------------------------------
+    @classmethod
+    def from_preset(cls, name: str, model_config) -> "KVCompressConfig":
+        """Build a named preset ("none", "fp8", "nuq4", ...) for a model (HF config or ModelLayout)."""
+        from kvcompress.presets import build_preset
+
+        layout = model_config if isinstance(model_config, ModelLayout) else ModelLayout.from_model_config(model_config)
+        return build_preset(name, layout)
+
+    def check_model(self, layout: ModelLayout) -> None:
+        """Raise a ConfigError naming each fingerprint difference if this config is for another model."""
+        diff = layout.mismatch(self.layout)
+        if diff:
+            raise ConfigError(
+                f"this kvcompress config ({self.name!r}) was made for a different model: "
+                + "; ".join(diff)
+                + ". Calibrate a config for this model (`kvcompress calibrate MODEL`) or use a preset."
+            )
+
+    # -- save / load ------------------------------------------------------------------------
+    def to_metadata(self) -> dict:
+        layers = []
+        for lp in self.layers:
+            d = {f.name: getattr(lp, f.name) for f in fields(lp) if f.name != "tensors"}
+            d["key"], d["value"], d["sparsity"] = asdict(lp.key), asdict(lp.value), asdict(lp.sparsity)
+            layers.append(d)
+        return {
+            "format": "kvcompress",
+            "version": self.version,
+            "name": self.name,
+            "fingerprint": self.layout.fingerprint(),
+            "layers": layers,
+            "notes": self.notes,
+        }
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write one .safetensors file atomically (a temporary file renamed into place)."""
+        from safetensors.torch import save_file
+
+        tensors = {}
+        for i, lp in enumerate(self.layers):
+            for name, t in lp.tensors.items():
+                tensors[f"layers.{i}.{name}"] = t.detach().to("cpu").contiguous()
+        meta = {"kvcompress": json.dumps(self.to_metadata())}
+        path = os.fspath(path)
+        directory = os.path.dirname(os.path.abspath(path))
+        fd, tmp = tempfile.mkstemp(prefix=".kvcompress-", suffix=".tmp", dir=directory)
+        os.close(fd)
+        try:
+            save_file(tensors, tmp, metadata=meta)
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "KVCompressConfig":
+        """Read a config written by `save`. Raises ConfigError for foreign, truncated or newer files."""
+        from safetensors import SafetensorError, safe_open
+
+        path = os.fspath(path)
+        if not os.path.isfile(path):
+            raise ConfigError(f"no kvcompress config at {path!r}")
+        try:
+            with safe_open(path, framework="pt") as f:
+                meta = f.metadata() or {}
+                tensors = {k: f.get_tensor(k) for k in f.keys()}
+        except (SafetensorError, OSError, ValueError) as e:
+            raise ConfigError(
+                f"{path!r} is not a readable safetensors file ({e}); it may be truncated or not a kvcompress "
+                "config. Re-create it with `kvcompress calibrate` or KVCompressConfig.save()."
+            ) from e
+        if "kvcompress" not in meta:
+            raise ConfigError(
+                f"{path!r} is a safetensors file but not a kvcompress config (no 'kvcompress' metadata); "
+                "pass a file written by `kvcompress calibrate` or KVCompressConfig.save()."
+            )
+        try:
+            doc = json.loads(meta["kvcompress"])
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path!r}: the kvcompress metadata is not valid JSON ({e})") from e
+        return cls.from_metadata(doc, tensors, source=path)
+
+    @classmethod
+    def from_metadata(cls, doc: dict, tensors: dict[str, torch.Tensor], source: str = "<memory>"):
+        if not isinstance(doc, dict) or doc.get("format") != "kvcompress":
+            raise ConfigError(f"{source}: metadata is not a kvcompress config")
+        version = doc.get("version")
+        if version != FORMAT_VERSION:
+            raise ConfigError(
+                f"{source}: config format version {version!r} is not supported by this kvcompress "
+                f"(it reads version {FORMAT_VERSION}); upgrade kvcompress or re-create the config."
+            )
+        _check_keys(doc, {"format", "version", "name", "fingerprint", "layers", "notes"}, source)
+        try:
+            layout = ModelLayout.from_fingerprint(doc["fingerprint"])
+        except TypeError as e:
+            raise ConfigError(f"{source}: bad model fingerprint ({e})") from e
+        per_layer: list[dict[str, torch.Tensor]] = [dict() for _ in doc["layers"]]
+        for key, t in tensors.items():
+            m = _TENSOR_KEY.match(key)
+            if not m or m.group(3) not in STREAM_TENSORS or int(m.group(1)) >= len(per_layer):
+                raise ConfigError(f"{source}: unexpected tensor {key!r} in a kvcompress config")
+            per_layer[int(m.group(1))][f"{m.group(2)}.{m.group(3)}"] = t
+        layers = []
+        allowed = {f.name for f in fields(LayerPolicy)} - {"tensors"}
+        for i, d in enumerate(doc["layers"]):
+            _check_keys(d, allowed, f"{source}: layer {i}")
+            _check_keys(d["key"], {f.name for f in fields(QuantSpec)}, f"{source}: layer {i} key")
+            _check_keys(d["value"], {f.name for f in fields(QuantSpec)}, f"{source}: layer {i} value")
+            _check_keys(d["sparsity"], {f.name for f in fields(SparsitySpec)}, f"{source}: layer {i} sparsity")
+            layers.append(
+                LayerPolicy(
+                    key=QuantSpec(**d["key"]),
+                    value=QuantSpec(**d["value"]),
+                    sparsity=SparsitySpec(**d["sparsity"]),
+                    tensors=per_layer[i],
+                    **{k: v for k, v in d.items() if k not in ("key", "value", "sparsity")},
+                )
+            )
+        return cls(layout=layout, layers=layers, name=doc["name"], version=version, notes=doc.get("notes", {}))
+
+    # -- helpers ----------------------------------------------------------------------------
+    def with_layer(self, idx: int, **changes) -> "KVCompressConfig":
+        layers = list(self.layers)
+        layers[idx] = replace(layers[idx], **changes)
+        return replace(self, layers=layers)
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, KVCompressConfig):
+            return NotImplemented
+        if self.to_metadata() != other.to_metadata():
+            return False
+        for a, b in zip(self.layers, other.layers):
+            if a.tensors.keys() != b.tensors.keys():
+                return False
+            if any(not torch.equal(a.tensors[k], b.tensors[k]) for k in a.tensors):
+                return False
+        return True
+
+
+def _check_keys(d: dict, allowed: set, where: str) -> None:
+    if not isinstance(d, dict):
+        raise ConfigError(f"{where}: expected a JSON object")
+    unknown = set(d) - allowed
+    if unknown:
+        raise ConfigError(f"{where}: unknown field(s) {sorted(unknown)}; allowed: {sorted(allowed)}")

@@ -1,0 +1,1 @@
+"""Exports of a kvcompress config for serving engines (vLLM, SGLang, TensorRT-LLM)."""

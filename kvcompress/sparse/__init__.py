@@ -1,0 +1,1 @@
+"""Sparsity policies: which tokens a layer keeps (H2O, StreamingLLM, SnapKV) or reads (Quest)."""

@@ -1,0 +1,1 @@
+"""Sparsity presets, registered into kvcompress.presets."""
