@@ -5,6 +5,7 @@
 
 from kvcompress.cache import CompressedCache
 from kvcompress.config import ConfigError, KVCompressConfig, LayerPolicy, QuantSpec, SparsitySpec
+from kvcompress.integration import disable, enable, enabled
 from kvcompress.layout.arch import ModelLayout
 from kvcompress.models import load_model
 from kvcompress.presets import preset_names
@@ -19,6 +20,9 @@ __all__ = [
     "ModelLayout",
     "QuantSpec",
     "SparsitySpec",
+    "disable",
+    "enable",
+    "enabled",
     "load_model",
     "preset_names",
     "__version__",

@@ -24,6 +24,12 @@ from kvcompress.layout.store import PagedStore
 from kvcompress.memory import LayerMemory, layer_memory_from_tensors
 from kvcompress.quant.base import Role
 from kvcompress.quant.factory import make_codec
+from kvcompress.sparse.state import attach_sparsity, tokens_read
+
+
+def _empty_like_tokens(x: torch.Tensor) -> torch.Tensor:
+    """[B, H, 0, D] with x's dtype and device, sharing no storage with x."""
+    return x.new_empty((*x.shape[:2], 0, x.shape[-1]))
 
 
 class CompressedLayer(CacheLayerMixin):
@@ -38,6 +44,7 @@ class CompressedLayer(CacheLayerMixin):
         self.policy = policy
         self.layer_idx = layer_idx
         self.cumulative_length = 0  # tokens seen (positions), may exceed what is held after eviction
+        self.sparse = None  # a kvcompress.sparse SparseState when the policy has sparsity
 
     # `keys` / `values`: the dense states, for code that reads a layer's tensors directly.
     @property
@@ -78,8 +85,9 @@ class CompressedLayer(CacheLayerMixin):
             )
             stores.append(PagedStore(codec))
         self.key_store, self.value_store = stores
-        self.sink_k, self.sink_v = key_states[:, :, :0], value_states[:, :, :0]
-        self.tail_k, self.tail_v = key_states[:, :, :0], value_states[:, :, :0]
+        # empty tensors of their own: a [:, :, :0] view would pin the whole prefill's storage
+        self.sink_k, self.sink_v = _empty_like_tokens(key_states), _empty_like_tokens(value_states)
+        self.tail_k, self.tail_v = _empty_like_tokens(key_states), _empty_like_tokens(value_states)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -91,9 +99,13 @@ class CompressedLayer(CacheLayerMixin):
             # Lossless: exactly what transformers' DynamicLayer does.
             self.tail_k = torch.cat([self.tail_k, key_states], dim=-2)
             self.tail_v = torch.cat([self.tail_v, value_states], dim=-2)
-            return self.tail_k, self.tail_v
-        self.append(key_states, value_states)
-        return self.dense()
+            k, v = self.tail_k, self.tail_v
+        else:
+            self.append(key_states, value_states)
+            k, v = self.dense()
+        if self.sparse is not None:
+            self.sparse.on_update(self, key_states, k, v)  # the kvcompress attention reads the step there
+        return k, v
 
     def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Add tokens to sinks / tail, then encode the tail's oldest whole pages into the body."""
@@ -153,6 +165,8 @@ class CompressedLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.is_initialized = False
         self.cumulative_length = 0
+        if self.sparse is not None:
+            self.sparse.reset()
         for name in ("key_store", "value_store", "sink_k", "sink_v", "tail_k", "tail_v"):
             self.__dict__.pop(name, None)
 
@@ -160,6 +174,8 @@ class CompressedLayer(CacheLayerMixin):
         """Negative: remove that many newest tokens (5.24+). Positive: keep that many (older 5.x)."""
         if not self.is_initialized:
             return
+        if self.sparse is not None:
+            raise NotImplementedError(f"layer {self.layer_idx} has a sparsity policy; cropping it is not supported")
         held = self.held_tokens
         keep = held + tokens_to_remove if tokens_to_remove <= 0 else min(tokens_to_remove, held)
         if keep < 0:
@@ -187,7 +203,7 @@ class CompressedLayer(CacheLayerMixin):
             self.key_store.pop_pages(self.key_store.n_pages, self.dtype)
             self.value_store.pop_pages(self.value_store.n_pages, self.dtype)
         self.sink_k, self.sink_v = self.sink_k[:, :, :keep].clone(), self.sink_v[:, :, :keep].clone()
-        self.tail_k, self.tail_v = self.tail_k[:, :, :0], self.tail_v[:, :, :0]
+        self.tail_k, self.tail_v = _empty_like_tokens(self.tail_k), _empty_like_tokens(self.tail_v)
 
     def _map_batch(self, fn) -> None:
         if not self.is_initialized:
@@ -196,6 +212,8 @@ class CompressedLayer(CacheLayerMixin):
         self.tail_k, self.tail_v = fn(self.tail_k), fn(self.tail_v)
         self.key_store.map_batch(fn)
         self.value_store.map_batch(fn)
+        if self.sparse is not None:
+            self.sparse.map_batch(fn)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
@@ -221,6 +239,8 @@ class CompressedLayer(CacheLayerMixin):
                  (self.sink_k, self.sink_v, self.tail_k, self.tail_v)]
         for store in (self.key_store, self.value_store):
             parts += [(t, role) for _, t, role in store.tensors()]
+        if self.sparse is not None:
+            parts += [(t, Role.METADATA) for t in self.sparse.tensors()]
         b, h = self.tail_k.shape[:2]
         elems_per_token = b * h * (self.tail_k.shape[-1] + self.tail_v.shape[-1])
         return layer_memory_from_tensors(
@@ -293,6 +313,11 @@ class CompressedCache(Cache):
             else:
                 layers.append(CompressedLayer(policy, layer_idx=i))
         super().__init__(layers=layers)
+        attach_sparsity(self)
+
+    def tokens_read_last_step(self) -> float:
+        """Tokens read per kv head by the last step's attention, averaged over the full-attention layers."""
+        return tokens_read(self)
 
     def memory_report(self) -> dict:
         """Bytes actually held, measured from the tensors, against a plain dynamic cache of the same tokens."""

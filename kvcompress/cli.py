@@ -41,6 +41,11 @@ def generate(model, prompt, preset, max_new_tokens, device, chat):
 
 # Further commands live in their own modules and register here.
 # (one line each; keep this list sorted)
+main.add_command(__import__("kvcompress.cli_calib", fromlist=["calibrate"]).calibrate)
+main.add_command(__import__("kvcompress.cli_eval", fromlist=["eval_command"]).eval_command)
+main.add_command(__import__("kvcompress.cli_calib", fromlist=["estimate"]).estimate)
+main.add_command(__import__("kvcompress.cli_calib", fromlist=["export"]).export)
+main.add_command(__import__("kvcompress.cli_calib", fromlist=["inspect"]).inspect)
 
 
 if __name__ == "__main__":

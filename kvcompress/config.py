@@ -21,12 +21,15 @@ FORMAT_VERSION = 1
 
 QUANT_METHODS = ("none", "fp8", "int", "nuq", "bnb")
 FP8_FORMATS = ("e4m3", "e5m2")
-QUANT_AXES = ("channel", "token")
+QUANT_AXES = ("channel", "token", "page")
 SPARSITY_METHODS = ("none", "streaming", "h2o", "snapkv", "quest")
 # Per-stream tensors a config may carry (key.<name> / value.<name>), and per-layer ones.
-STREAM_TENSORS = ("codebook", "scale", "channel_mean", "channel_scale", "outlier_threshold", "rotation_signs")
+# fp8_scale: calibrated static FP8 scales [H] of a stream not stored as FP8, kept for serving-engine exports.
+STREAM_TENSORS = (
+    "codebook", "scale", "channel_mean", "channel_scale", "outlier_threshold", "rotation_signs", "fp8_scale",
+)
 LAYER_TENSORS = ()
-_TENSOR_KEY = re.compile(r"^layers\.(\d+)\.(key|value)\.([a-z_]+)$")
+_TENSOR_KEY = re.compile(r"^layers\.(\d+)\.(key|value)\.([a-z][a-z0-9_]*)$")
 
 
 class ConfigError(ValueError):
@@ -39,7 +42,9 @@ class QuantSpec:
 
     method: "none" (model dtype), "fp8", "int" (KIVI-style asymmetric integers), "nuq" (non-uniform
     codebook, KVQuant/TurboQuant style) or "bnb" (bitsandbytes NF4/FP4).
-    axis: "channel" = statistics per channel (keys, KIVI), "token" = per token (values).
+    axis: "token" = statistics per token (values); "page" = per channel within each page (keys, KIVI's
+    grouping); "channel" = per channel for the whole sequence (nuq: calibrated or frozen at the first
+    page; for "int" it means per channel within each page, as "page").
     group_size: channels per group for per-token statistics (0 = the whole head).
     """
 
@@ -252,10 +257,14 @@ class KVCompressConfig:
                 f"(it reads version {FORMAT_VERSION}); upgrade kvcompress or re-create the config."
             )
         _check_keys(doc, {"format", "version", "name", "fingerprint", "layers", "notes"}, source)
+        _require_keys(doc, ("name", "fingerprint", "layers"), source)
+        if not isinstance(doc["layers"], list):
+            raise ConfigError(f"{source}: 'layers' must be a list of layer policies")
         try:
             layout = ModelLayout.from_fingerprint(doc["fingerprint"])
-        except TypeError as e:
-            raise ConfigError(f"{source}: bad model fingerprint ({e})") from e
+        except (TypeError, KeyError) as e:
+            what = f"missing field {e}" if isinstance(e, KeyError) else str(e)
+            raise ConfigError(f"{source}: bad model fingerprint ({what}); re-create the config for this model") from e
         per_layer: list[dict[str, torch.Tensor]] = [dict() for _ in doc["layers"]]
         for key, t in tensors.items():
             m = _TENSOR_KEY.match(key)
@@ -266,18 +275,21 @@ class KVCompressConfig:
         allowed = {f.name for f in fields(LayerPolicy)} - {"tensors"}
         for i, d in enumerate(doc["layers"]):
             _check_keys(d, allowed, f"{source}: layer {i}")
+            _require_keys(d, ("key", "value", "sparsity"), f"{source}: layer {i}")
             _check_keys(d["key"], {f.name for f in fields(QuantSpec)}, f"{source}: layer {i} key")
             _check_keys(d["value"], {f.name for f in fields(QuantSpec)}, f"{source}: layer {i} value")
             _check_keys(d["sparsity"], {f.name for f in fields(SparsitySpec)}, f"{source}: layer {i} sparsity")
-            layers.append(
-                LayerPolicy(
+            try:
+                policy = LayerPolicy(
                     key=QuantSpec(**d["key"]),
                     value=QuantSpec(**d["value"]),
                     sparsity=SparsitySpec(**d["sparsity"]),
                     tensors=per_layer[i],
                     **{k: v for k, v in d.items() if k not in ("key", "value", "sparsity")},
                 )
-            )
+            except TypeError as e:  # a value of the wrong JSON type, e.g. "page_size": "64"
+                raise ConfigError(f"{source}: layer {i} has a field of the wrong type ({e})") from e
+            layers.append(policy)
         return cls(layout=layout, layers=layers, name=doc["name"], version=version, notes=doc.get("notes", {}))
 
     # -- helpers ----------------------------------------------------------------------------
@@ -297,6 +309,12 @@ class KVCompressConfig:
             if any(not torch.equal(a.tensors[k], b.tensors[k]) for k in a.tensors):
                 return False
         return True
+
+
+def _require_keys(d: dict, required, where: str) -> None:
+    missing = [k for k in required if k not in d]
+    if missing:
+        raise ConfigError(f"{where}: missing field(s) {missing}; re-create the config with KVCompressConfig.save()")
 
 
 def _check_keys(d: dict, allowed: set, where: str) -> None:

@@ -37,9 +37,11 @@ def storage_bytes(tensors) -> int:
     """Bytes of the distinct storages behind `tensors`."""
     seen, total = set(), 0
     for t in tensors:
-        if t is None or t.numel() == 0:
+        if t is None:
             continue
-        s = t.untyped_storage()
+        s = t.untyped_storage()  # even an empty view pins its whole buffer
+        if s.nbytes() == 0:
+            continue
         key = (s.data_ptr(), t.device)
         if key not in seen:
             seen.add(key)

@@ -21,10 +21,10 @@ def packed_width(n: int, bits: int) -> int:
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """codes: [..., N] integers in [0, 2**bits) -> [..., packed_width(N, bits)] uint8."""
     assert bits in SUPPORTED_BITS, f"bits must be one of {SUPPORTED_BITS}, got {bits}"
-    if bits == 8:
-        return codes.to(torch.uint8)
     n = codes.shape[-1]
     pad = (-n) % 8
+    if bits == 8:  # one code per byte, padded like the other widths so packed_width holds
+        return torch.nn.functional.pad(codes.to(torch.uint8), (0, pad))
     c = codes.to(torch.int64)
     if pad:
         c = torch.nn.functional.pad(c, (0, pad))

@@ -1,1 +1,63 @@
-"""Sparsity presets, registered into kvcompress.presets."""
+"""Sparsity presets, registered into kvcompress.presets.
+
+- streaming: StreamingLLM, 4 sinks + the newest 1020 tokens.
+- h2o-20 / h2o-50: H2O keeping 20% / 50% of the context, half heavy hitters, half recent window.
+- snapkv-50: SnapKV keeping 50% of the prompt (window 32, pooling 7).
+- quest-512 / quest-1024 / quest-2048: Quest reading that many tokens per step (pages of 16), the
+  first 2 layers dense.
+- nuq4+h2o-20 / nuq4+quest-1024: the same over nuq4 storage, in pages of 16 tokens (H2O evicts
+  whole packed pages, so smaller pages keep its choices fine-grained).
+- pyramid-h2o-20: H2O with budgets decreasing linearly over depth (PyramidKV, arXiv:2406.02069),
+  from 1.8x to 0.2x of 20% of the context, 20% on average.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from kvcompress.config import LayerPolicy, SparsitySpec
+from kvcompress.layout.arch import ModelLayout
+from kvcompress.presets import PRESETS, LayerFn, register_preset
+
+SPARSE_PAGE = 16  # Quest pages / H2O eviction chunk / packed pages under sparsity
+
+
+def _sparse(spec: SparsitySpec, base: str = "none", page_size: int | None = None) -> LayerFn:
+    def fn(layout: ModelLayout, i: int) -> LayerPolicy:
+        policy = PRESETS[base](layout, i)
+        return replace(policy, sparsity=spec, page_size=page_size or policy.page_size)
+
+    return fn
+
+
+def _pyramid_h2o(ratio: float, top: float = 1.8, bottom: float = 0.2) -> LayerFn:
+    def fn(layout: ModelLayout, i: int) -> LayerPolicy:
+        depth = i / max(layout.num_layers - 1, 1)
+        layer_ratio = min(1.0, ratio * (top + (bottom - top) * depth))
+        return LayerPolicy(sparsity=SparsitySpec(method="h2o", ratio=layer_ratio, page_size=SPARSE_PAGE))
+
+    return fn
+
+
+def h2o(ratio: float = 0.0, budget: int = 0) -> SparsitySpec:
+    return SparsitySpec(method="h2o", ratio=ratio, budget=budget, page_size=SPARSE_PAGE)
+
+
+def quest(budget: int = 0, ratio: float = 0.0, dense_layers: int = 2) -> SparsitySpec:
+    return SparsitySpec(
+        method="quest", budget=budget, ratio=ratio, page_size=SPARSE_PAGE, dense_layers=dense_layers
+    )
+
+
+STREAMING = SparsitySpec(method="streaming", budget=1024, sinks=4, page_size=SPARSE_PAGE)
+SNAPKV_50 = SparsitySpec(method="snapkv", ratio=0.5, observation_window=32, pool_kernel=7)
+
+register_preset("streaming", _sparse(STREAMING))
+register_preset("h2o-20", _sparse(h2o(0.2)))
+register_preset("h2o-50", _sparse(h2o(0.5)))
+register_preset("snapkv-50", _sparse(SNAPKV_50))
+for _n in (512, 1024, 2048):
+    register_preset(f"quest-{_n}", _sparse(quest(_n)))
+register_preset("nuq4+h2o-20", _sparse(h2o(0.2), base="nuq4", page_size=SPARSE_PAGE))
+register_preset("nuq4+quest-1024", _sparse(quest(1024), base="nuq4", page_size=SPARSE_PAGE))
+register_preset("pyramid-h2o-20", _pyramid_h2o(0.2))

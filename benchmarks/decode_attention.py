@@ -1,0 +1,286 @@
+"""Decode attention on Llama-3.1-8B layer shapes (32 query / 8 kv heads, head dim 128, bf16), one layer.
+
+Compares, per (context, batch): bf16 SDPA over a dense cache (the baseline), dequantize-then-SDPA (what a
+cache that decodes every step does), and the fused kernel reading the packed cache for int4 (KIVI),
+nuq4 (1% outliers), fp8 (e4m3) and nuq4 with a Quest page list of 2048 tokens. Packed data is built by
+the codecs on the GPU from random keys/values (a few large key channels); a 4096-token encoded chunk is
+tiled to the full context. Reported: median time (CUDA events), bytes the method must read, achieved
+bandwidth as a share of a device-to-device copy measured in the same run, speedup over bf16 SDPA.
+Before timing, the fused kernel is checked against the torch twin on the GPU (fp32 and bf16).
+
+    PYTHONPATH=. python benchmarks/decode_attention.py [--contexts 8192 32768 131072] [--batches 1 8 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import statistics
+import sys
+
+import torch
+
+from kvcompress.config import QuantSpec
+from kvcompress.kernels.decode_attention import decode_attention_torch
+from kvcompress.kernels.parts import AttentionParts, PackedStream
+from kvcompress.quant.factory import make_codec
+
+HQ, HKV, D = 32, 8, 128
+DTYPE = torch.bfloat16
+SCALING = 1 / math.sqrt(D)
+METHODS = {  # key spec, value spec, page size, sinks, tail tokens held in bf16
+    "int4": (QuantSpec(method="int", bits=4, axis="channel"), QuantSpec(method="int", bits=4, group_size=32), 32, 0, 160),
+    "nuq4": (QuantSpec(method="nuq", bits=4, axis="channel", outlier_fraction=0.01),
+             QuantSpec(method="nuq", bits=4, axis="token", outlier_fraction=0.01), 64, 4, 32),
+    "fp8": (QuantSpec(method="fp8"), QuantSpec(method="fp8"), 16, 0, 8),
+}
+QUEST_TOKENS = 2048
+
+
+def build_parts(method: str, b: int, n: int, seed: int = 0) -> AttentionParts:
+    key_spec, value_spec, page, sinks, tail = METHODS[method]
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    chunk = min(n, 4096)
+    assert n % chunk == 0 and chunk % page == 0
+    channel_gain = 1 + 4 * (torch.rand(D, device="cuda", generator=g) > 0.9)
+
+    def rnd(t, gain=True):
+        x = torch.randn(b, HKV, t, D, device="cuda", generator=g)
+        return (x * channel_gain if gain else x).to(DTYPE)
+
+    streams = []
+    for s, spec in enumerate((key_spec, value_spec)):
+        codec = make_codec(spec, page_size=page, head_dim=D, num_heads=HKV, dtype=DTYPE, tensors={}, seed=s).to("cuda")
+        x = rnd(chunk, gain=s == 0)
+        row = codec.prepare(x)
+        fields = codec.encode(x, row)
+        del x
+        reps = n // chunk
+        data = {k: v.repeat(1, 1, reps, *([1] * (v.dim() - 3))) for k, v in fields.items()}
+        streams.append(PackedStream(codec, data, row, n))
+    return AttentionParts(streams[0], streams[1], rnd(sinks), rnd(sinks, False), rnd(tail), rnd(tail, False))
+
+
+def bytes_read(parts: AttentionParts, page_list: torch.Tensor | None) -> int:
+    """Bytes the kernel must read: the packed fields of the pages read, row statistics, sinks and tail."""
+    share = 1.0 if page_list is None else page_list.shape[2] / parts.key.n_pages
+    total = 0
+    for s in (parts.key, parts.value):
+        total += sum(t.numel() * t.element_size() for t in s.data.values()) * share
+        total += sum(t.numel() * t.element_size() for t in s.row.values())
+    for t in (parts.sink_k, parts.sink_v, parts.tail_k, parts.tail_v):
+        total += t.numel() * t.element_size()
+    return int(total)
+
+
+def median_ms(fn, n_iter: int, warmup: int = 5) -> float:
+    for i in range(warmup):
+        fn(i)
+    torch.cuda.synchronize()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n_iter)]
+    for i, (start, end) in enumerate(events):
+        start.record()
+        fn(i)
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in events)
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy, bytes read + written per second (the achievable ceiling)."""
+    src = torch.randint(0, 255, (4 << 30,), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda i: dst.copy_(src), 20)
+    del src, dst
+    return 2 * (4 << 30) / (ms * 1e-3)
+
+
+# -- correctness on the GPU ------------------------------------------------------------------------------
+def parts_to(parts: AttentionParts, device) -> AttentionParts:
+    def stream(s):
+        return PackedStream(s.codec.to(device), {k: v.to(device) for k, v in s.data.items()},
+                            {k: v.to(device) for k, v in s.row.items()}, s.n_tokens)
+
+    lens = None if parts.body_lengths is None else parts.body_lengths.to(device)
+    return AttentionParts(stream(parts.key), stream(parts.value), *(t.to(device) for t in (
+        parts.sink_k, parts.sink_v, parts.tail_k, parts.tail_v)), lens)
+
+
+def check_on_gpu(codecs=None) -> list[str]:
+    sys.path.insert(0, "tests")
+    from test_kernels import SPECS, make_parts, random_page_list, rel_err
+
+    from kvcompress.kernels.decode_attention_triton import decode_attention_triton
+
+    lines, worst = [], {}
+    for name in codecs or sorted(SPECS):
+        for dtype, tol in ((torch.float32, 1e-3), (torch.bfloat16, 2e-2)):
+            for d, g, pl in ((128, 4, True),):
+                parts = make_parts(name, b=3, hkv=2, d=d, pages=6, page=32, lengths=[192, 101, 64], seed=d + g,
+                                   dtype=dtype)
+                parts = parts_to(parts, "cuda")
+                q = torch.randn(3, 2 * g, d, device="cuda").to(dtype)
+                page_list = random_page_list(3, 2, 6, 4, seed=g).cuda() if pl else None
+                want, want_p = decode_attention_torch(q, parts, d ** -0.5, page_list, return_probs=True)
+                got, got_p = decode_attention_triton(q, parts, d ** -0.5, page_list, return_probs=True)
+                err = max(rel_err(got, want), rel_err(got_p, want_p))
+                ok = bool(torch.isfinite(got).all()) and err <= tol
+                key = f"{name} {str(dtype)[6:]}"
+                worst[key] = max(worst.get(key, 0.0), err) if ok else float("nan")
+    from kvcompress.kernels.page_encode import encode_pages_triton
+
+    for spec in (QuantSpec(method="fp8"), QuantSpec(method="int", bits=4, axis="channel"),
+                 QuantSpec(method="int", bits=4, group_size=32), QuantSpec(method="int", bits=2, group_size=32)):
+        codec = make_codec(spec, page_size=32, head_dim=128, num_heads=8, dtype=DTYPE, tensors={}, seed=0)
+        x = (torch.randn(4, 8, 256, 128, device="cuda") * 3).to(DTYPE)
+        want, got = codec.encode(x, {}), encode_pages_triton(codec, x, {})
+        same = all(torch.equal(want[k], got[k]) for k in want)
+        lines.append(f"check page encode {spec.method}{spec.bits} {spec.axis:<8} bit-exact: {same}")
+    for key, err in worst.items():
+        lines.append(f"check {key:<22} max rel err {err:.2e} {'OK' if err == err else 'FAIL'}")
+    return lines
+
+
+# -- the benchmark ---------------------------------------------------------------------------------------
+def run(contexts, batches, n_iter, configs) -> list[dict]:
+    from kvcompress.kernels.decode_attention_triton import decode_attention_triton
+
+    bw = copy_bandwidth()
+    print(f"device-to-device copy: {bw / 1e12:.2f} TB/s", flush=True)
+    rows = []
+    free = torch.cuda.mem_get_info()[0]
+    for n in contexts:
+        for b in batches:
+            dense_bytes = 2 * b * HKV * n * D * 2
+            if 3 * dense_bytes > 0.8 * free:
+                print(f"skip {n} x {b}: {dense_bytes / 1e9:.1f} GB of bf16 K/V does not fit thrice", flush=True)
+                continue
+            copies = max(1, min(4, math.ceil(256e6 / dense_bytes)))  # rotate inputs when they fit in L2
+            q = [torch.randn(b, HQ, D, device="cuda", dtype=DTYPE) for _ in range(copies)]
+            k = [torch.randn(b, HKV, n, D, device="cuda", dtype=DTYPE) for _ in range(copies)]
+            v = [torch.randn(b, HKV, n, D, device="cuda", dtype=DTYPE) for _ in range(copies)]
+
+            def sdpa(i):
+                j = i % copies
+                return torch.nn.functional.scaled_dot_product_attention(
+                    q[j][:, :, None], k[j], v[j], scale=SCALING, enable_gqa=True)
+
+            base = median_ms(sdpa, n_iter)
+            rows.append(dict(ctx=n, batch=b, method="bf16 sdpa", ms=base, bytes=dense_bytes, base=base))
+            del k, v
+            for method in ("int4", "nuq4", "fp8", "nuq4+quest2048"):
+                codec = method.split("+")[0]
+                parts = [build_parts(codec, b, n, seed=c) for c in range(copies)]
+                page = parts[0].key.page_size
+                page_list = None
+                if method.endswith("quest2048"):
+                    n_sel = QUEST_TOKENS // page
+                    pick = torch.rand(b, HKV, n // page, device="cuda").topk(n_sel, -1).indices.sort(-1).values
+                    page_list = pick.to(torch.int32)
+                nbytes = bytes_read(parts[0], page_list)
+                best = None
+                for cfg in configs:
+                    try:
+                        ms = median_ms(lambda i: decode_attention_triton(
+                            q[i % copies], parts[i % copies], SCALING, page_list, **cfg), n_iter)
+                    except Exception as e:  # a config the compiler rejects is reported, not hidden
+                        print(f"  {method} {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                        continue
+                    if best is None or ms < best[0]:
+                        best = (ms, cfg)
+                rows.append(dict(ctx=n, batch=b, method=f"fused {method}", ms=best[0], bytes=nbytes, base=base,
+                                 cfg=best[1]))
+                graph_ms = graph_time(lambda: decode_attention_triton(q[0], parts[0], SCALING, page_list, **best[1]),
+                                      n_iter)
+                if graph_ms is not None:
+                    rows.append(dict(ctx=n, batch=b, method=f"fused {method} graph", ms=graph_ms, bytes=nbytes,
+                                     base=base, cfg=best[1]))
+                if method in ("nuq4", "int4"):
+                    def dequant_sdpa(i, p=parts):
+                        pp = p[i % copies]
+                        kk = torch.cat([pp.sink_k, pp.key.decode(DTYPE), pp.tail_k], 2)
+                        vv = torch.cat([pp.sink_v, pp.value.decode(DTYPE), pp.tail_v], 2)
+                        return torch.nn.functional.scaled_dot_product_attention(
+                            q[i % copies][:, :, None], kk, vv, scale=SCALING, enable_gqa=True)
+
+                    try:
+                        ms = median_ms(dequant_sdpa, max(5, n_iter // 5), warmup=2)
+                        rows.append(dict(ctx=n, batch=b, method=f"dequant+sdpa {method}", ms=ms, bytes=nbytes,
+                                         base=base))
+                    except torch.OutOfMemoryError:
+                        print(f"  dequant+sdpa {method} {n} x {b}: out of memory", flush=True)
+                    torch.cuda.empty_cache()
+                del parts
+                torch.cuda.empty_cache()
+            for r in rows[-12:]:
+                if r["ctx"] == n and r["batch"] == b:
+                    print(fmt_row(r, bw), flush=True)
+            del q
+            torch.cuda.empty_cache()
+    for r in rows:
+        r["bw_share"] = r["bytes"] / (r["ms"] * 1e-3) / bw
+    return rows, bw
+
+
+def graph_time(fn, n_iter):
+    """The decode step captured in a CUDA graph (launch gaps gone), replay time."""
+    try:
+        fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return median_ms(lambda i: graph.replay(), n_iter)
+    except Exception as e:  # capture can fail on some stacks; reported in the log
+        print(f"  graph capture failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        return None
+
+
+def fmt_row(r, bw):
+    share = r["bytes"] / (r["ms"] * 1e-3) / bw
+    cfg = r.get("cfg")
+    cfg = "" if not cfg else f"bn{cfg['block_n']} w{cfg['num_warps']} s{cfg['num_stages']}"
+    return (f"| {r['ctx']:>6} | {r['batch']:>3} | {r['method']:<26} | {r['ms']:9.3f} | {r['bytes'] / 1e6:10.1f} | "
+            f"{share * 100:5.0f}% | {r['base'] / r['ms']:6.2f}x | {cfg} |")
+
+
+HEADER = ("| ctx | batch | method | ms (median) | MB read | of copy BW | vs bf16 SDPA | kernel config |\n"
+          "|---:|---:|---|---:|---:|---:|---:|---|")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768, 131072])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--check-codecs", nargs="+", default=None, help="codecs to check (default: all)")
+    ap.add_argument("--configs", nargs="+", default=["64,4,2", "64,8,2", "128,4,2", "128,8,2", "64,4,3", "128,8,3"],
+                    help="fused-kernel configs block_n,num_warps,num_stages to sweep (the best is reported)")
+    ap.add_argument("--out", default=None, help="write the markdown table here too")
+    args = ap.parse_args()
+    assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
+    lines = [] if args.no_check else check_on_gpu(args.check_codecs)
+    for line in lines:
+        print(line, flush=True)
+    configs = [dict(zip(("block_n", "num_warps", "num_stages"), map(int, c.split(",")))) for c in args.configs]
+    rows, bw = run(args.contexts, args.batches, args.iters, configs)
+    import triton
+
+    head = [
+        f"date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
+        f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}",
+        f"command: PYTHONPATH=. python {' '.join(sys.argv)}",
+        f"device-to-device copy bandwidth (read + write): {bw / 1e12:.2f} TB/s",
+        "",
+    ]
+    table = "\n".join(head + lines + ["", HEADER] + [fmt_row(r, bw) for r in rows])
+    print("\n" + table)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(table + "\n")
+
+
+if __name__ == "__main__":
+    main()

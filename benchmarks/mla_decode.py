@@ -1,0 +1,203 @@
+"""One DeepSeek-V3-size MLA attention layer, one decode step (GPU, bf16):
+
+- stock:    transformers' DeepseekV3Attention (re-expands the cached latent through kv_b_proj, then SDPA)
+- absorbed: the same module under kvcompress.layout.mla_attention.patch_mla (torch, bf16 latent)
+- fused:    absorbed query + kvcompress.kernels.mla_decode (Triton) over the latent as the nuq4 MLA
+            preset stores it (4-bit per-channel NUQ kv_nope with 1% outliers, FP8 k_rot); also without
+            outliers and over the bf16 latent, for reference.
+
+Every variant runs the whole layer (q/kv projections, RoPE, attention, o_proj) over a latent cache of
+T tokens held in a preallocated buffer (no per-step concatenation in any variant).
+
+    PYTHONPATH=. python benchmarks/mla_decode.py [--out bench_mla.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import types
+
+import torch
+from transformers import DeepseekV3Config
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
+
+from kvcompress.compat import with_cache
+from kvcompress.config import QuantSpec
+from kvcompress.kernels.mla_decode import MlaLatent, default_num_splits, merge_partials, mla_decode_triton
+from kvcompress.layout.mla_attention import absorb_query, expand_output, patch_mla, split_kv_b_proj
+from kvcompress.layout.store import PagedStore
+from kvcompress.quant.factory import make_codec
+
+CASES = [(8192, 1), (8192, 8), (32768, 1), (32768, 8)]
+PAGE = 64
+
+
+class LatentBuffer:
+    """A cache stand-in: the latent of T tokens plus a slot for the new one (what a static cache does)."""
+
+    def __init__(self, kv, kr):
+        b, _, t, _ = kv.shape
+        self.kv = torch.cat([kv, kv[:, :, :1]], 2)
+        self.kr = torch.cat([kr, kr[:, :, :1]], 2)
+        self.t = t
+
+    def update(self, k, v, layer_idx, *args, **kwargs):
+        self.kv[:, :, self.t:] = k
+        self.kr[:, :, self.t:] = v
+        return self.kv, self.kr
+
+
+def deepseek_v3_layer(device):
+    cfg = DeepseekV3Config(
+        hidden_size=7168, num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512,
+        qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, num_hidden_layers=1,
+        max_position_embeddings=163840, attn_implementation="sdpa",
+    )
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    attn = DeepseekV3Attention(cfg, 0).to(device, torch.bfloat16).eval()
+    rope = DeepseekV3RotaryEmbedding(cfg).to(device)
+    return cfg, attn, rope
+
+
+def pack_latent(kv, kr, outliers: float) -> MlaLatent:
+    """kv [B, 1, T, 512], kr [B, 1, T, 64] -> MlaLatent as the nuq4 MLA preset's stores hold it."""
+    kspec = QuantSpec(method="nuq", bits=4, axis="channel", outlier_fraction=outliers)
+    vspec = QuantSpec(method="fp8")
+    stores = []
+    for spec, x, seed in ((kspec, kv, 0), (vspec, kr, 1)):
+        codec = make_codec(spec, page_size=PAGE, head_dim=x.shape[-1], num_heads=1, dtype=x.dtype, tensors={}, seed=seed)
+        store = PagedStore(codec.to(x.device))
+        for lo in range(0, x.shape[2], 4096):  # encode in chunks to bound the temporaries
+            store.append(x[:, :, lo: lo + 4096])
+        stores.append(store)
+    return MlaLatent.from_stores(*stores)
+
+
+def fused_forward(attn, latent: MlaLatent, launch: dict):
+    """A forward for `attn` that attends with the fused kernel over `latent` (decode, one new token
+    whose own latent is left out: the benchmark measures the cache read)."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import apply_rotary_pos_emb_interleave
+
+    def forward(self, hidden_states, position_embeddings, attention_mask=None, **kwargs):
+        b, s, _ = hidden_states.shape
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+        q = q.view(b, s, -1, self.qk_head_dim).transpose(1, 2)
+        q_nope, q_rot = torch.split(q, [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        ckv = self.kv_a_proj_with_mqa(hidden_states)
+        _, k_rot = torch.split(ckv, [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        q_rot, _ = apply_rotary_pos_emb_interleave(q_rot, k_rot.view(b, 1, s, -1), *position_embeddings)
+        w_uk, w_uv = split_kv_b_proj(self.kv_b_proj.weight, self.num_heads, self.qk_nope_head_dim, self.v_head_dim)
+        q_latent = absorb_query(q_nope, w_uk)[:, :, 0].contiguous()  # [B, H, R]
+        out, lse = mla_decode_triton(q_latent, q_rot[:, :, 0].contiguous(), latent, self.scaling, **launch)
+        o_latent = merge_partials(out, lse).to(q.dtype)[:, :, None]  # [B, H, 1, R]
+        o = expand_output(o_latent, w_uv).transpose(1, 2).reshape(b, s, -1)
+        return self.o_proj(o), None
+
+    return types.MethodType(forward, attn)
+
+
+def time_ms(fn, warmup=3, reps=20) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def tune(attn, hidden, pe, latent, b, t) -> dict:
+    """Pick block_h / num_warps / splits for the fused kernel at one shape; prints every try."""
+    best, best_ms = None, float("inf")
+    for block_h in (16, 32, 64):
+        for warps in (4, 8):
+            base = default_num_splits(b, 128, t, block_h)
+            for factor in (1, 2):
+                launch = dict(block_h=block_h, num_warps=warps, num_splits=base * factor)
+                try:
+                    fwd = fused_forward(attn, latent, launch)
+                    ms = time_ms(lambda: fwd(hidden, pe), warmup=2, reps=10)
+                except Exception as e:  # a config that does not compile (shared memory) is reported and skipped
+                    print(f"  tune {launch}: failed ({type(e).__name__}: {str(e)[:120]})")
+                    continue
+                print(f"  tune {launch}: {ms:.3f} ms")
+                if ms < best_ms:
+                    best, best_ms = dict(block_h=block_h, num_warps=warps, split_factor=factor), ms
+    return best
+
+
+@torch.no_grad()
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    cfg, attn, rope = deepseek_v3_layer(dev)
+    rows, launch = [], None
+    for t, b in sorted(CASES, key=lambda c: -c[0] * c[1]):
+        g = torch.Generator(device=dev).manual_seed(t + b)
+        kv = torch.randn(b, 1, t, 512, device=dev, dtype=torch.bfloat16, generator=g)
+        kr = torch.randn(b, 1, t, 64, device=dev, dtype=torch.bfloat16, generator=g)
+        hidden = torch.randn(b, 1, 7168, device=dev, dtype=torch.bfloat16, generator=g)
+        pos = torch.full((b, 1), t, device=dev)
+        pe = rope(hidden, pos)
+        buf = LatentBuffer(kv, kr)
+        stock = time_ms(lambda: attn(hidden, pe, None, **with_cache(buf)))
+        ref = attn(hidden, pe, None, **with_cache(buf))[0].float()
+        undo = patch_mla(attn)
+        absorbed = time_ms(lambda: attn(hidden, pe, None, **with_cache(buf)))
+        out_abs = attn(hidden, pe, None, **with_cache(buf))[0].float()
+        undo()
+        nuq = pack_latent(kv, kr, 0.01)
+        if launch is None:
+            launch = tune(attn, hidden, pe, nuq, b, t)
+            print("chosen", launch)
+        run = dict(block_h=launch["block_h"], num_warps=launch["num_warps"],
+                   num_splits=default_num_splits(b, 128, t, launch["block_h"]) * launch["split_factor"])
+        fused = fused_forward(attn, nuq, run)
+        fused_ms = time_ms(lambda: fused(hidden, pe))
+        out_fused = fused(hidden, pe)[0].float()
+        plain = fused_forward(attn, pack_latent(kv, kr, 0.0), run)
+        plain_ms = time_ms(lambda: plain(hidden, pe))
+        dense = fused_forward(attn, MlaLatent(kv=kv[:, 0], k_rot=kr[:, 0], latent_dim=512, page_size=PAGE), run)
+        dense_ms = time_ms(lambda: dense(hidden, pe))
+        out_dense = dense(hidden, pe)[0].float()
+        err_abs = ((out_abs - ref).norm() / ref.norm()).item()
+        err_dense = ((out_dense - ref).norm() / ref.norm()).item()  # leaves the new token out: ~1/T
+        sqnr_nuq = (10 * torch.log10(ref.pow(2).sum() / (out_fused - ref).pow(2).sum())).item()
+        rows.append((t, b, stock, absorbed, fused_ms, plain_ms, dense_ms, err_abs, err_dense, sqnr_nuq))
+        print(rows[-1], flush=True)
+        del buf, kv, kr, nuq, fused, plain, dense
+        torch.cuda.empty_cache()
+
+    lines = [
+        f"# MLA decode, one DeepSeek-V3 attention layer (128 heads, latent 512 + 64, bf16)",
+        "",
+        f"Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}; device: {torch.cuda.get_device_name()}; "
+        f"torch {torch.__version__}; command: `PYTHONPATH=. python benchmarks/mla_decode.py`; kernel launch: {launch}",
+        "",
+        "| T | B | stock (ms) | absorbed bf16 (ms) | fused nuq4+1% outl. (ms) | fused nuq4 no outl. (ms) | fused bf16 (ms) "
+        "| stock/absorbed | absorbed/fused nuq4 | absorbed/fused nuq4 no outl. | rel.err absorbed | rel.err fused bf16 | SQNR fused nuq4 (dB) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for t, b, s, a, f, p, d, ea, ed, q in sorted(rows):
+        lines.append(
+            f"| {t} | {b} | {s:.3f} | {a:.3f} | {f:.3f} | {p:.3f} | {d:.3f} | {s / a:.1f}x | {a / f:.2f}x | {a / p:.2f}x "
+            f"| {ea:.1e} | {ed:.1e} | {q:.1f} |"
+        )
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        with open(args.out, "w") as fh:
+            fh.write(text)
+
+
+if __name__ == "__main__":
+    main()

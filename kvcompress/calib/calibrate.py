@@ -1,0 +1,209 @@
+"""The calibration pipeline: text -> statistics -> fitted tensors -> (sensitivities -> allocation) -> config.
+
+    cfg = calibrate(model, tokenizer, text, CalibrationSettings(preset="nuq4"))
+    cfg = calibrate(model, tokenizer, text, CalibrationSettings(target_bits=3.5))
+    cfg.save("smollm2.safetensors")
+
+Without a budget, the base preset keeps its per-layer methods and gets calibrated tensors (NUQ
+codebooks, key channel statistics, outlier thresholds, static FP8 scales). With --target-bits or
+--memory-budget every full-attention layer's keys and values each get one of fp8 / nuq4 / nuq3 / nuq2,
+chosen by the allocation so the all-in bits per element at `context` tokens meet the budget with the
+least total sensitivity. Every stream gets static FP8 scales, so any config can be exported.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from kvcompress.calib.allocate import Option, allocate
+from kvcompress.calib.bits import config_bits_per_element, layer_tokens, stream_cost, uncompressed_layer_bytes
+from kvcompress.calib.candidates import CANDIDATES, LayerFits, with_fp8_scales
+from kvcompress.calib.collect import CollectSettings, calibration_windows, collect
+from kvcompress.calib.sensitivity import layer_sensitivity
+from kvcompress.config import ConfigError, KVCompressConfig, LayerPolicy
+from kvcompress.layout.arch import ModelLayout
+from kvcompress.presets import build_preset
+
+
+@dataclass
+class CalibrationSettings:
+    """What `kvcompress calibrate` was asked for (stored in the config's notes).
+
+    target_bits: all-in bits per element to meet; memory_budget: bytes (> 1) or a ratio of the
+    uncompressed cache in the model dtype (<= 1), at `context` tokens and `batch` sequences.
+    """
+
+    preset: str = "nuq4"
+    samples: int = 32
+    seq_len: int = 1024
+    batch_size: int = 4
+    target_bits: float | None = None
+    memory_budget: float | None = None
+    context: int = 4096
+    batch: int = 1
+    per_head: bool = True
+    weighting: str = "attention"
+    outlier_fraction: float = 0.01
+    sample_tokens: int = 4096
+
+    def __post_init__(self):
+        if self.target_bits is not None and self.memory_budget is not None:
+            raise ConfigError("give either a target in bits (--target-bits) or a memory budget, not both")
+        if self.target_bits is not None and self.target_bits <= 0:
+            raise ConfigError(f"--target-bits must be > 0, got {self.target_bits}")
+        if self.memory_budget is not None and self.memory_budget <= 0:
+            raise ConfigError(f"--memory-budget must be > 0, got {self.memory_budget}")
+        if self.context < 1 or self.batch < 1:
+            raise ConfigError("the budget's context and batch must be >= 1")
+
+    @property
+    def has_budget(self) -> bool:
+        return self.target_bits is not None or self.memory_budget is not None
+
+    def collect_settings(self) -> CollectSettings:
+        return CollectSettings(
+            samples=self.samples, seq_len=self.seq_len, batch_size=self.batch_size,
+            sample_tokens=self.sample_tokens, weighting=self.weighting,
+        )
+
+
+def target_bits_for(settings: CalibrationSettings, layout: ModelLayout, dtype: torch.dtype) -> float:
+    """The all-in bits per element a budget stands for."""
+    if settings.target_bits is not None:
+        return float(settings.target_bits)
+    dtype_bits = torch.finfo(dtype).bits
+    if settings.memory_budget <= 1.0:
+        return settings.memory_budget * dtype_bits
+    elements = sum(
+        uncompressed_layer_bytes(layout, i, settings.context, settings.batch, dtype) for i in range(layout.num_layers)
+    ) / (dtype_bits / 8)
+    return settings.memory_budget * 8 / elements
+
+
+def calibrate(model, tokenizer, text: str, settings: CalibrationSettings | None = None, progress: bool = True,
+              log=None) -> KVCompressConfig:
+    """A calibrated KVCompressConfig for `model` from `text` (see the module docstring)."""
+    settings = settings or CalibrationSettings()
+    log = log or (lambda msg: None)
+    start = time.perf_counter()
+    layout = ModelLayout.from_model_config(model.config)
+    dtype = next(model.parameters()).dtype
+    token_ids = tokenizer(text, add_special_tokens=False)["input_ids"] if text.strip() else []
+    windows = calibration_windows(token_ids, settings.samples, settings.seq_len)
+    log(f"calibrating on {windows.shape[0]} x {windows.shape[1]} tokens (the text has {len(token_ids)} tokens)")
+    stats = collect(model, windows, settings.collect_settings(), progress=progress)
+    notes = {
+        "calibration": {
+            **asdict(settings),
+            "model_dtype": str(dtype).removeprefix("torch."),
+            "text_sha256": hashlib.sha256(text.encode()).hexdigest(),
+            "text_tokens": len(token_ids),
+            "windows": list(windows.shape),
+            "weighting_used": "attention" if stats[0].key_weight is not None else "none",
+            "seconds": {"collect": round(time.perf_counter() - start, 1)},
+        }
+    }
+    cfg = config_from_stats(stats, layout, dtype, settings, notes, progress)
+    cfg.notes["calibration"]["seconds"]["total"] = round(time.perf_counter() - start, 1)
+    log(f"calibrated in {time.perf_counter() - start:.0f} s")
+    return cfg
+
+
+def config_from_stats(stats, layout: ModelLayout, dtype: torch.dtype, settings: CalibrationSettings,
+                      notes: dict | None = None, progress: bool = False) -> KVCompressConfig:
+    """The config for `settings` from collected statistics (one collection can serve several settings)."""
+    notes = dict(notes or {})
+    fits = [LayerFits(s, settings.outlier_fraction, settings.per_head) for s in stats]
+    if settings.has_budget:
+        target = target_bits_for(settings, layout, dtype)
+        layers, notes["allocation"] = _mixed_layers(fits, layout, settings, target, dtype, progress)
+        name = f"calibrated-mixed-{target:.2f}b"
+    else:
+        layers = _preset_layers(fits, layout, settings.preset)
+        name = f"calibrated-{settings.preset}"
+    return KVCompressConfig(layout=layout, layers=layers, name=name, notes=notes)
+
+
+def _preset_layers(fits: list[LayerFits], layout: ModelLayout, preset: str) -> list[LayerPolicy]:
+    """The base preset's policies with calibrated tensors for every stream that takes them."""
+    base = build_preset(preset, layout)
+    layers = []
+    for i, policy in enumerate(base.layers):
+        tensors = {**fits[i].spec_tensors(policy.key, "key"), **fits[i].spec_tensors(policy.value, "value")}
+        layers.append(with_fp8_scales(LayerPolicy(
+            key=policy.key, value=policy.value, page_size=policy.page_size, residual=policy.residual,
+            sinks=policy.sinks, sparsity=policy.sparsity, tensors=tensors,
+        ), fits[i]))
+    return layers
+
+
+def _mixed_layers(fits, layout, settings, target: float, dtype, progress: bool):
+    """Per-stream choices meeting `target` all-in bits at settings.context tokens, least total sensitivity."""
+    ctx, batch = settings.context, settings.batch
+    itemsize = torch.finfo(dtype).bits / 8
+    elements = sum(uncompressed_layer_bytes(layout, i, ctx, batch, dtype) for i in range(layout.num_layers)) / itemsize
+    budget = target * elements / 8
+    fixed, items, where, sens = 0.0, [], [], {}
+    full = [i for i in range(layout.num_layers) if not layout.is_sliding(i)]
+    bar = _bar(len(full), "sensitivity", progress)
+    for i in range(layout.num_layers):
+        if layout.is_sliding(i):
+            fixed += uncompressed_layer_bytes(layout, i, ctx, batch, dtype)
+            continue
+        probe = fits[i].policy(CANDIDATES[0], CANDIDATES[0])
+        body, exact = layer_tokens(probe, ctx)
+        fixed += batch * exact * layout.values_per_token(i) * itemsize
+        sens[i] = layer_sensitivity(fits[i], CANDIDATES)
+        for stream, d in (("key", layout.key_head_dim), ("value", layout.value_head_dim)):
+            opts = []
+            for c in CANDIDATES:
+                spec, tensors = fits[i].choice(c, stream)
+                cost = stream_cost(spec, {k.partition(".")[2]: v for k, v in tensors.items()},
+                                   probe.page_size, layout.num_kv_heads, d, dtype)
+                nbytes = batch * body * layout.num_kv_heads * d * cost.body_bits / 8 + cost.shared_bytes
+                nbytes += batch * cost.row_bytes if body else 0
+                opts.append(Option(c, nbytes, sens[i][stream][c]))
+            items.append(opts)
+            where.append((i, stream))
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    if fixed >= budget:
+        raise ConfigError(
+            f"--target-bits {target:.3f} is below what the exact parts (sinks, tails, sliding layers) need "
+            f"at {ctx} tokens; raise the target or the budget's context"
+        )
+    alloc = allocate(items, budget - fixed)
+    chosen = {w: c for w, c in zip(where, alloc.choices)}
+    layers = []
+    for i in range(layout.num_layers):
+        if layout.is_sliding(i):
+            layers.append(with_fp8_scales(LayerPolicy(), fits[i]))
+        else:
+            layers.append(fits[i].policy(chosen[(i, "key")], chosen[(i, "value")]))
+    achieved = config_bits_per_element(layers, layout, ctx, batch, dtype)
+    if achieved > target * (1 + 1e-9):
+        raise AssertionError(f"allocation gives {achieved} bits per element, over the target {target}")
+    notes = {
+        "target_bits": target,
+        "achieved_bits": achieved,
+        "context": ctx,
+        "batch": batch,
+        "choices": {str(i): [chosen[(i, "key")], chosen[(i, "value")]] for i in sens},
+        "sensitivity": {str(i): sens[i] for i in sens},
+        "total_loss": alloc.loss,
+    }
+    return layers, notes
+
+
+def _bar(total: int, desc: str, progress: bool):
+    if not progress:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="layer")

@@ -1,0 +1,84 @@
+"""The per-stream choices calibration picks from (fp8 / nuq4 / nuq3 / nuq2), with their fitted tensors.
+
+A LayerFits fits each choice of a layer once (codebooks are the slow part) and serves them to the
+sensitivity measurement, the allocation and the final config. Static FP8 scales are computed for every
+stream whatever it is quantized with, under "<stream>.scale" where the stream is FP8 (the codec uses
+them) and "<stream>.fp8_scale" elsewhere (kept for serving-engine exports).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvcompress.calib.collect import LayerStats
+from kvcompress.calib.fit import fit_nuq_tensors, fp8_scales
+from kvcompress.config import ConfigError, LayerPolicy, QuantSpec
+
+CANDIDATES = ("fp8", "nuq4", "nuq3", "nuq2")
+STREAMS = ("key", "value")
+# Layers of a mixed-precision config share the nuq presets' page layout (fp8 streams ignore it).
+MIXED_PAGE_SIZE = 64
+MIXED_SINKS = 4
+
+
+def choice_spec(choice: str, stream: str, outlier_fraction: float) -> QuantSpec:
+    """The QuantSpec of a named choice for keys (per-channel nuq) or values (per-token nuq)."""
+    if choice == "fp8":
+        return QuantSpec(method="fp8")
+    if choice in ("nuq4", "nuq3", "nuq2"):
+        axis = "channel" if stream == "key" else "token"
+        return QuantSpec(method="nuq", bits=int(choice[3]), axis=axis, outlier_fraction=outlier_fraction)
+    raise ConfigError(f"unknown calibration choice {choice!r}; use one of {CANDIDATES}")
+
+
+@dataclass
+class LayerFits:
+    """Fitted tensors of one layer's choices, computed on first use."""
+
+    stats: LayerStats
+    outlier_fraction: float = 0.01
+    per_head: bool = True
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    def fp8_scale(self, stream: str):
+        amax = self.stats.key_amax if stream == "key" else self.stats.value_amax
+        return fp8_scales(amax)
+
+    def spec_tensors(self, spec: QuantSpec, stream: str) -> dict:
+        """Calibrated tensors for one stream quantized as `spec` ({} where nothing is calibrated)."""
+        if spec.method == "fp8":
+            return {f"{stream}.scale": fp8_scales(self.stats.key_amax if stream == "key" else self.stats.value_amax,
+                                                  spec.fp8_format)}
+        if spec.method == "nuq" and not spec.rotation:
+            key = (stream, spec.bits, spec.axis, spec.outlier_fraction)
+            if key not in self._cache:
+                self._cache[key] = fit_nuq_tensors(
+                    self.stats, stream, spec.bits, spec.outlier_fraction, self.per_head, axis=spec.axis
+                )
+            return dict(self._cache[key])
+        return {}
+
+    def choice(self, choice: str, stream: str) -> tuple[QuantSpec, dict]:
+        spec = choice_spec(choice, stream, self.outlier_fraction)
+        return spec, self.spec_tensors(spec, stream)
+
+    def policy(self, key_choice: str, value_choice: str) -> LayerPolicy:
+        """A mixed-precision layer: keys and values each as chosen, nuq page layout, FP8 scales kept."""
+        kspec, kt = self.choice(key_choice, "key")
+        vspec, vt = self.choice(value_choice, "value")
+        return with_fp8_scales(
+            LayerPolicy(key=kspec, value=vspec, page_size=MIXED_PAGE_SIZE, sinks=MIXED_SINKS, tensors={**kt, **vt}),
+            self,
+        )
+
+
+def with_fp8_scales(policy: LayerPolicy, fits: LayerFits) -> LayerPolicy:
+    """The policy with "<stream>.fp8_scale" added for each stream that is not FP8 with static scales."""
+    tensors = dict(policy.tensors)
+    for stream, spec in (("key", policy.key), ("value", policy.value)):
+        if not (spec.method == "fp8" and f"{stream}.scale" in tensors):
+            tensors[f"{stream}.fp8_scale"] = fits.fp8_scale(stream)
+    return LayerPolicy(
+        key=policy.key, value=policy.value, page_size=policy.page_size, residual=policy.residual,
+        sinks=policy.sinks, sparsity=policy.sparsity, tensors=tensors,
+    )

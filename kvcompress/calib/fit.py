@@ -1,0 +1,110 @@
+"""Fit a layer's calibrated tensors from what `collect` saw: NUQ codebooks, key channel statistics,
+outlier thresholds and FP8 static scales.
+
+Codebooks are fitted on the values the NuqCodec will actually code (kvcompress/quant/nuq.py):
+keys normalised per channel, u = (k - mean_c) / scale_c with the calibrated statistics; values per
+token, u = v / rms_t with the per-page outliers left out of the rms and stored as fp16. Elements the
+codec keeps exactly (the largest |u|, `outlier_fraction` of them) are left out of the fit. The k-means
+is weighted by how much an element's error costs in the attention (see collect.py), converted to the
+normalised domain: an error du on a key is scale_c * du on the logit's input, on a value rms_t * du.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvcompress.calib.collect import LayerStats
+from kvcompress.quant.codebook import fit_codebook
+from kvcompress.quant.fp8 import FP8_DTYPES
+
+_MIN_SCALE = 1e-4  # the same floor the codec puts under a per-channel std
+
+
+def channel_stats(stats: LayerStats, stream: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per kv head and channel mean and scale, [H, D] each (the codec's calibrated statistics).
+
+    Keys use the running statistics over every calibration token; values (rarely coded per channel)
+    the sampled tokens.
+    """
+    if stream == "key":
+        mean, std = stats.key_mean, stats.key_std
+    else:
+        mean, std = stats.values.mean(1), stats.values.std(1, correction=0)
+    return mean.float().contiguous(), std.float().clamp_min(_MIN_SCALE).contiguous()
+
+
+def _outlier_keep(u: torch.Tensor, fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mask of elements kept for coding (|u| under the per-head quantile) and the thresholds [H].
+
+    u: [H, N, D]. The codec picks the top `fraction` of |u| per page; a per-head quantile over the
+    samples is the same cut on average.
+    """
+    h = u.shape[0]
+    if fraction <= 0:
+        return torch.ones_like(u, dtype=torch.bool), torch.full((h,), float("inf"))
+    flat = u.abs().reshape(h, -1)
+    k = max(1, round((1.0 - fraction) * flat.shape[1]))
+    thr = flat.kthvalue(k, dim=1).values  # [H], the (1 - fraction) quantile
+    return u.abs() <= thr[:, None, None], thr
+
+
+def _samples(stats: LayerStats, stream: str):
+    """Sampled tokens [H, N, D] and their importance [H, N, D] (or None) of one stream."""
+    if stream == "key":
+        return stats.keys, stats.key_weight
+    w = None if stats.value_weight is None else stats.value_weight[..., None].expand_as(stats.values)
+    return stats.values, w
+
+
+def normalised_per_channel(stats: LayerStats, stream: str, fraction: float):
+    """u [H, N, D], kept mask, weights in the u domain (or None), outlier thresholds [H]."""
+    x, w = _samples(stats, stream)
+    mean, scale = channel_stats(stats, stream)
+    u = (x - mean[:, None]) / scale[:, None]
+    keep, thr = _outlier_keep(u, fraction)
+    return u, keep, (None if w is None else w * scale[:, None].pow(2)), thr
+
+
+def normalised_per_token(stats: LayerStats, stream: str, fraction: float):
+    """u [H, N, D], kept mask, weights in the u domain (or None), outlier thresholds [H]."""
+    x, w = _samples(stats, stream)
+    rms = x.pow(2).mean(-1, keepdim=True).sqrt()
+    keep, thr = _outlier_keep(x / rms.clamp_min(1e-6), fraction)
+    kf = keep.float()
+    rms = ((x.pow(2) * kf).sum(-1, keepdim=True) / kf.sum(-1, keepdim=True).clamp_min(1)).sqrt()
+    rms = rms.clamp_min(1e-6).to(torch.float16).float()  # the codec stores the per-token scale in fp16
+    return x / rms, keep, (None if w is None else w * rms.pow(2)), thr
+
+
+def fit_levels(u: torch.Tensor, keep: torch.Tensor, weights, bits: int, per_head: bool) -> torch.Tensor:
+    """Weighted k-means levels: [H, 2**bits] per kv head or [2**bits] for the layer."""
+    if not per_head:
+        w = None if weights is None else weights[keep]
+        return fit_codebook(u[keep], bits, w, iters=50)
+    books = []
+    for h in range(u.shape[0]):
+        w = None if weights is None else weights[h][keep[h]]
+        books.append(fit_codebook(u[h][keep[h]], bits, w, iters=50))
+    return torch.stack(books)
+
+
+def fit_nuq_tensors(stats: LayerStats, stream: str, bits: int, fraction: float, per_head: bool = True,
+                    axis: str = "channel") -> dict:
+    """The calibrated tensors of one nuq stream, keyed as in a LayerPolicy ("key.codebook", ...)."""
+    out = {}
+    if axis == "channel":
+        u, keep, w, thr = normalised_per_channel(stats, stream, fraction)
+        mean, scale = channel_stats(stats, stream)
+        out.update({f"{stream}.channel_mean": mean, f"{stream}.channel_scale": scale})
+    else:
+        u, keep, w, thr = normalised_per_token(stats, stream, fraction)
+    out[f"{stream}.codebook"] = fit_levels(u, keep, w, bits, per_head)
+    if fraction > 0:
+        out[f"{stream}.outlier_threshold"] = thr.float()
+    return out
+
+
+def fp8_scales(amax: torch.Tensor, fmt: str = "e4m3") -> torch.Tensor:
+    """Static FP8 scales [H] float32: amax / the format's max (448 for e4m3), dequant = fp8 * scale."""
+    fmax = float(torch.finfo(FP8_DTYPES[fmt]).max)
+    return (amax.float() / fmax).clamp_min(1e-8)

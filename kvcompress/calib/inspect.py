@@ -1,0 +1,83 @@
+"""A readable view of a config file: format version, model fingerprint, per-layer policy, calibration notes."""
+
+from __future__ import annotations
+
+from kvcompress.config import KVCompressConfig, QuantSpec
+
+
+def describe_spec(spec: QuantSpec) -> str:
+    """"nuq4/channel +1% outliers", "fp8 e4m3", "none", ..."""
+    if spec.method == "none":
+        return "none"
+    if spec.method == "fp8":
+        return f"fp8 {spec.fp8_format}"
+    if spec.method == "bnb":
+        return f"bnb {spec.bnb_type}"
+    s = f"{spec.method}{spec.bits}/{spec.axis}"
+    if spec.group_size:
+        s += f" g{spec.group_size}"
+    if spec.rotation:
+        s += " +rot"
+    if spec.outlier_fraction:
+        s += f" +{spec.outlier_fraction:.1%} outliers"
+    return s
+
+
+def layer_rows(cfg: KVCompressConfig) -> list[dict]:
+    rows = []
+    for i, p in enumerate(cfg.layers):
+        sparsity = "none" if p.sparsity.method == "none" else (
+            f"{p.sparsity.method} " + (f"{p.sparsity.budget} tok" if p.sparsity.budget else f"{p.sparsity.ratio:.0%}"))
+        calibrated = sorted(k for k in p.tensors)
+        rows.append({
+            "layer": i,
+            "type": "sliding" if cfg.layout.is_sliding(i) else "full",
+            "keys": describe_spec(p.key),
+            "values": describe_spec(p.value),
+            "page/sinks/residual": f"{p.page_size}/{p.sinks}/{p.residual}",
+            "sparsity": sparsity,
+            "calibrated": ", ".join(calibrated) if calibrated else "-",
+        })
+    return rows
+
+
+def print_config(cfg: KVCompressConfig, path: str, show_tensors: bool = False) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from kvcompress.calib.estimate import _groups
+
+    console = Console()
+    fp = cfg.layout.fingerprint()
+    console.print(f"[bold]{path}[/bold]: kvcompress config {cfg.name!r}, format version {cfg.version}")
+    console.print(
+        f"model: {fp['model_type']}, {fp['num_layers']} layers, {fp['num_kv_heads']} kv heads "
+        f"({fp['num_query_heads']} query heads), key/value head dims {fp['key_head_dim']}/{fp['value_head_dim']}, "
+        f"attention {fp['attention']}" + (f", sliding window {fp['sliding_window']}" if fp["sliding_window"] else "")
+    )
+    t = Table(title="per-layer policy")
+    rows = layer_rows(cfg)
+    for col in rows[0]:
+        t.add_column("layers" if col == "layer" else col)
+    for first, last, r in _groups(rows):
+        t.add_row(str(first) if first == last else f"{first}-{last}", *[str(v) for k, v in r.items() if k != "layer"])
+    console.print(t)
+    calib = cfg.notes.get("calibration")
+    if calib:
+        console.print(
+            f"calibrated on {calib.get('windows')} tokens of text sha256 {str(calib.get('text_sha256'))[:12]}..., "
+            f"preset {calib.get('preset')}, codebooks {'per kv head' if calib.get('per_head') else 'per layer'}, "
+            f"weighting {calib.get('weighting_used')}, {calib.get('seconds', {}).get('total')} s"
+        )
+    alloc = cfg.notes.get("allocation")
+    if alloc:
+        console.print(f"allocation: {alloc['achieved_bits']:.3f} bits per element all-in at {alloc['context']} tokens "
+                      f"(target {alloc['target_bits']:.3f})")
+    if show_tensors:
+        tt = Table(title="tensors")
+        for col in ("name", "shape", "dtype"):
+            tt.add_column(col)
+        for i, p in enumerate(cfg.layers):
+            for k, v in sorted(p.tensors.items()):
+                tt.add_row(f"layers.{i}.{k}", str(tuple(v.shape)), str(v.dtype).removeprefix("torch."))
+        console.print(tt)

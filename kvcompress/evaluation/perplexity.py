@@ -1,0 +1,116 @@
+"""Perplexity measured the way a cache is used: prefill half a text, then decode the rest token by token.
+
+The numbers of `kvcompress eval` and the calibration search come from here. Every prediction that
+counts is made by a forward pass reading the cache under test, so a lossy cache shows in the loss.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from importlib.resources import files
+from typing import Callable
+
+import torch
+
+from kvcompress.evaluation.timing import StepTimer
+
+
+class TextTooShortError(ValueError):
+    """The evaluation text has fewer tokens than the context asked for."""
+
+
+def default_eval_text() -> str:
+    """The evaluation prose shipped in kvcompress/data/eval.txt (never used for calibration)."""
+    return files("kvcompress.data").joinpath("eval.txt").read_text(encoding="utf-8")
+
+
+def context_ids(tokenizer, context: int, text: str | None = None) -> torch.Tensor:
+    """The first `context` token ids of `text` (default: the shipped eval text), [1, context].
+
+    Raises TextTooShortError naming how many tokens the text has.
+    """
+    if context < 4:
+        raise ValueError(f"context must be at least 4 tokens, got {context}")
+    text = default_eval_text() if text is None else text
+    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
+    if ids.shape[1] < context:
+        raise TextTooShortError(
+            f"the evaluation text has only {ids.shape[1]} tokens, fewer than --context {context}; "
+            "pass a longer --text FILE or a smaller --context"
+        )
+    return ids[:, :context]
+
+
+@dataclass
+class PerplexityResult:
+    """nll: mean negative log-likelihood (nats) of the n_tokens decoded-half predictions; ppl = exp(nll)."""
+
+    nll: float
+    ppl: float
+    n_tokens: int
+    seconds_per_step: float  # median wall time of one decode step
+    memory: dict | None = None  # the cache's memory report at the end, when it has one
+    tokens_read: int | None = None  # tokens the last decode step attended to, when the cache says
+    cache: object = field(default=None, repr=False)  # the cache as it stands at the end
+
+
+@torch.inference_mode()
+def perplexity(
+    model,
+    tokenizer,
+    cache_factory: Callable[[], object],
+    ids: torch.Tensor | str,
+    *,
+    on_step: Callable[[], None] | None = None,
+) -> PerplexityResult:
+    """Perplexity of the second half of `ids` decoded through a fresh cache.
+
+    Args:
+        model: a causal LM (its forward takes the cache through `kvcompress.compat.with_cache`).
+        tokenizer: used only when `ids` is a string.
+        cache_factory: zero-argument callable returning a fresh `transformers.Cache`
+            (e.g. `lambda: CompressedCache(model.config, "nuq4")`).
+        ids: token ids [1, N] (N >= 4), or a text to tokenize whole.
+        on_step: called after each decode step (progress bars).
+
+    Protocol: the first P = N // 2 tokens go through the cache in one prefill forward; then tokens
+    P .. N-2 are fed one at a time (teacher forcing) through the same cache. Only the predictions of
+    tokens P .. N-1 (the decoded half, N - P of them) count: the first comes from the prefill's last
+    position, which already attends to what the cache returned, and the rest from decode steps that read
+    the cache, so every counted prediction saw the compressed cache. The prefill's own earlier
+    next-token losses are not counted.
+    """
+    from kvcompress.compat import with_cache
+
+    if isinstance(ids, str):
+        ids = tokenizer(ids, return_tensors="pt", add_special_tokens=False).input_ids
+    if ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] < 4:
+        raise ValueError(f"ids must be [1, N] with N >= 4, got {tuple(ids.shape)}")
+    ids = ids.to(model.device)
+    n = ids.shape[1]
+    prefill = n // 2
+    cache = cache_factory()
+
+    out = model(ids[:, :prefill], **with_cache(cache), logits_to_keep=1)
+    nll = _token_nll(out.logits[:, -1], ids[:, prefill])
+    timer = StepTimer(ids.device)
+    for t in range(prefill, n - 1):
+        with timer:
+            out = model(ids[:, t : t + 1], **with_cache(cache))
+        nll += _token_nll(out.logits[:, -1], ids[:, t + 1])
+        if on_step is not None:
+            on_step()
+    n_tokens = n - prefill
+    mean = nll / n_tokens
+    memory = cache.memory_report() if hasattr(cache, "memory_report") else None
+    read = cache.tokens_read_last_step() if hasattr(cache, "tokens_read_last_step") else None
+    return PerplexityResult(
+        nll=mean, ppl=math.exp(mean), n_tokens=n_tokens, seconds_per_step=timer.median_s,
+        memory=memory, tokens_read=read, cache=cache,
+    )
+
+
+def _token_nll(logits: torch.Tensor, target: torch.Tensor) -> float:
+    """logits [1, V], target [1] -> -log p(target) in float64 nats."""
+    return float(torch.nn.functional.cross_entropy(logits.double(), target, reduction="sum"))

@@ -1,0 +1,172 @@
+"""Run every cache on the same text and collect one row per cache: the engine behind `kvcompress eval`.
+
+    rows = evaluate(model, tokenizer, presets=["fp8", "nuq4"], context=2048)
+
+The uncompressed reference is transformers' `DynamicCache`; every other row's perplexity change is
+relative to it. A row is a flat dict (JSON-ready); see `ROW_KEYS`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from kvcompress.evaluation.baselines import BaselineUnavailable, baseline_factory, parse_baselines, tensor_memory
+from kvcompress.evaluation.passkey import passkey_accuracy
+from kvcompress.evaluation.perplexity import context_ids, perplexity
+
+UNCOMPRESSED = "uncompressed"
+ROW_KEYS = (
+    "name", "kind", "context", "ppl", "nll", "ppl_delta_pct", "n_tokens", "passkey", "passkey_trials",
+    "held_bytes", "uncompressed_bytes", "compression_ratio", "bits_per_element", "tokens_held",
+    "tokens_read", "ms_per_token",
+)
+
+
+@dataclass
+class CacheEntry:
+    """One cache to evaluate: a row name, its kind (uncompressed | preset | config | baseline), a factory."""
+
+    name: str
+    kind: str
+    factory: Callable[[], object]
+
+
+def cache_entries(model, presets=(), configs=(), baselines="", include_uncompressed=True, log=print):
+    """The caches to run, in order: uncompressed, presets, config files, baselines that can be built.
+
+    A baseline whose backend is not installed is left out with a note (naming the pip command) sent to `log`.
+    """
+    from transformers import DynamicCache
+
+    from kvcompress.cache import CompressedCache
+    from kvcompress.config import KVCompressConfig
+
+    cfg = model.config
+    entries = []
+    if include_uncompressed:
+        entries.append(CacheEntry(UNCOMPRESSED, "uncompressed", lambda: DynamicCache(config=cfg)))
+    for name in presets:
+        CompressedCache(cfg, name)  # fail early on an unknown preset
+        entries.append(CacheEntry(name, "preset", lambda name=name: CompressedCache(cfg, name)))
+    for path in configs:
+        kv = KVCompressConfig.load(path)
+        CompressedCache(cfg, kv)  # fail early on a config made for another model
+        label = f"{kv.name} ({os.path.basename(path)})"
+        entries.append(CacheEntry(label, "config", lambda kv=kv: CompressedCache(cfg, kv)))
+    specs = parse_baselines(baselines) if isinstance(baselines, str) else list(baselines)
+    for spec in specs:
+        try:
+            entries.append(CacheEntry(spec.name, "baseline", baseline_factory(spec, cfg)))
+        except BaselineUnavailable as e:
+            log(f"skipped {spec.name}: {e}")
+    return entries
+
+
+def evaluate(
+    model,
+    tokenizer,
+    presets: Sequence[str] = (),
+    configs: Sequence[str] = (),
+    *,
+    baselines: str | Sequence = "",
+    context: int = 2048,
+    text: str | None = None,
+    passkey: bool = True,
+    passkey_lengths: Sequence[int] = (1024, 2048),
+    passkey_depths: Sequence[float] = (0.1, 0.5, 0.9),
+    passkey_seeds: Sequence[int] = (0,),
+    passkey_template: str = "chat",
+    include_uncompressed: bool = True,
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+) -> list[dict]:
+    """Evaluate the uncompressed cache and each preset / config file / baseline; one row each.
+
+    Args:
+        model, tokenizer: an already loaded causal LM (e.g. `kvcompress.load_model(...)`).
+        presets: preset names ("fp8", "nuq4", ...). configs: paths of saved `.safetensors` configs.
+        baselines: "quanto,hqq" (transformers' QuantizedCache at int4 and int2) or BaselineSpec list.
+        context: tokens of `text` (default: the shipped eval text) used for perplexity, see `perplexity`.
+        passkey: also run passkey retrieval at `passkey_lengths` x `passkey_depths` x `passkey_seeds`.
+        include_uncompressed: run the DynamicCache reference row (deltas are relative to it).
+        log: receives notes (skipped baselines).
+    Returns: rows (dicts with ROW_KEYS), in run order, deltas filled in when the reference ran.
+    """
+    ids = context_ids(tokenizer, context, text)
+    entries = cache_entries(model, presets, configs, baselines, include_uncompressed, log)
+    n_steps = len(entries) * (context - context // 2 - 1)
+    n_trials = len(entries) * len(passkey_lengths) * len(passkey_depths) * len(passkey_seeds) if passkey else 0
+    rows = []
+    with _progress(progress) as bar:
+        task = bar.add_task("evaluating", total=n_steps + n_trials) if bar else None
+        advance = (lambda: bar.advance(task)) if bar else None
+        for entry in entries:
+            if bar:
+                bar.update(task, description=f"{entry.name}: perplexity")
+            row = perplexity_row(model, tokenizer, entry, ids, on_step=advance)
+            if passkey:
+                if bar:
+                    bar.update(task, description=f"{entry.name}: passkey")
+                pk = passkey_accuracy(
+                    model, tokenizer, entry.factory, passkey_lengths, passkey_depths, passkey_seeds,
+                    template=passkey_template, on_trial=advance,
+                )
+                row["passkey"] = pk.accuracy
+                row["passkey_trials"] = [
+                    {"length": t.length, "depth": t.depth, "seed": t.seed, "key": t.key, "output": t.output,
+                     "found": t.found} for t in pk.trials
+                ]
+            rows.append(row)
+    return add_deltas(rows)
+
+
+def perplexity_row(model, tokenizer, entry: CacheEntry, ids, on_step=None) -> dict:
+    """One row from a perplexity run: quality, memory at the end of the run, decode time."""
+    res = perplexity(model, tokenizer, entry.factory, ids, on_step=on_step)
+    memory = res.memory if res.memory is not None else tensor_memory(res.cache, model.config)
+    memory = memory or {}
+    held = memory.get("tokens_held")
+    return {
+        "name": entry.name,
+        "kind": entry.kind,
+        "context": int(ids.shape[1]),
+        "ppl": res.ppl,
+        "nll": res.nll,
+        "ppl_delta_pct": None,
+        "n_tokens": res.n_tokens,
+        "passkey": None,
+        "passkey_trials": [],
+        "held_bytes": memory.get("held_bytes"),
+        "uncompressed_bytes": memory.get("uncompressed_bytes"),
+        "compression_ratio": memory.get("compression_ratio"),
+        "bits_per_element": memory.get("bits_per_element"),
+        "tokens_held": held,
+        "tokens_read": res.tokens_read if res.tokens_read is not None else held,
+        "ms_per_token": 1000.0 * res.seconds_per_step,
+    }
+
+
+def add_deltas(rows: list[dict]) -> list[dict]:
+    """Fill `ppl_delta_pct` (100 * (ppl / ppl_uncompressed - 1)) when an uncompressed row is present."""
+    ref = next((r for r in rows if r["kind"] == "uncompressed"), None)
+    if ref is None or not math.isfinite(ref["ppl"]):
+        return rows
+    for r in rows:
+        r["ppl_delta_pct"] = 100.0 * (r["ppl"] / ref["ppl"] - 1.0)
+    return rows
+
+
+def _progress(enabled: bool):
+    if not enabled:
+        return nullcontext(None)
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    return Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+        console=Console(stderr=True), transient=True,
+    )

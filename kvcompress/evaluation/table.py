@@ -1,0 +1,77 @@
+"""The results table of `kvcompress eval` (rich), and the atomic JSON writer."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+
+from kvcompress.report import fmt_bytes
+
+COLUMNS = ("cache", "ppl", "Δppl", "passkey", "KV held", "ratio", "bits/elem", "tokens held/read", "ms/token")
+
+
+def _num(x, fmt: str, suffix: str = "") -> str:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "n/a"
+    return f"{x:{fmt}}{suffix}"
+
+
+def row_cells(r: dict) -> list[str]:
+    held, read = r.get("tokens_held"), r.get("tokens_read")
+    return [
+        r["name"],
+        _num(r["ppl"], ".4f"),
+        _num(r.get("ppl_delta_pct"), "+.3f", "%"),
+        _num(r.get("passkey"), ".0%") if r.get("passkey") is not None else "-",
+        fmt_bytes(r["held_bytes"]) if r.get("held_bytes") is not None else "n/a",
+        _num(r.get("compression_ratio"), ".2f", "x"),
+        _num(r.get("bits_per_element"), ".2f"),
+        f"{held}/{read}" if held is not None else "n/a",
+        _num(r.get("ms_per_token"), ".1f"),
+    ]
+
+
+def results_table(rows: list[dict], title: str = "KV cache evaluation"):
+    from rich.table import Table
+
+    t = Table(title=title)
+    for i, col in enumerate(COLUMNS):
+        t.add_column(col, justify="left" if i == 0 else "right")
+    for r in rows:
+        t.add_row(*row_cells(r))
+    return t
+
+
+def print_results(rows: list[dict], title: str = "KV cache evaluation", console=None) -> None:
+    from rich.console import Console
+
+    if console is None:
+        console = Console()
+        if not console.is_terminal:  # logs and pipes: wide enough that no cell wraps
+            console = Console(width=160)
+    console.print(results_table(rows, title))
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """The same table as GitHub markdown (for reports)."""
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(row_cells(r)) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def write_json(path: str | os.PathLike, doc) -> None:
+    """Write JSON atomically: a temporary file in the same folder, then os.replace."""
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=folder)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(doc, f, indent=2, allow_nan=True)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise

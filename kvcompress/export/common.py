@@ -1,0 +1,166 @@
+"""What every serving-engine export shares: reading the FP8 scales a config carries, deciding what an
+engine can express, and writing files atomically.
+
+Engines (vLLM, SGLang, TensorRT-LLM) keep the KV cache in FP8 E4M3 with static scales (dequant =
+fp8 * scale, scale = amax / 448) per tensor, vLLM also per kv head. They have no slot for NUQ
+codebooks, KIVI integers, outliers, exact sinks or residual windows, sparsity, or layers left in the
+model dtype. An export therefore maps the calibrated FP8 scales and lists everything else; if anything
+the config asks for would be lost, it refuses unless `allow_partial` is set, in which case the engine
+runs FP8 with the calibrated scales on every layer and the lost parts are listed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+
+import torch
+
+from kvcompress.config import KVCompressConfig, LayerPolicy
+
+
+class ExportError(ValueError):
+    """The config cannot be exported as asked; the message says why and what to do."""
+
+
+@dataclass
+class Fp8Scales:
+    """Per layer, the K and V static scales [H] float32 an engine gets, and what was / was not mapped."""
+
+    key: list[torch.Tensor]
+    value: list[torch.Tensor]
+    mapped: list[str] = field(default_factory=list)
+    not_mapped: list[str] = field(default_factory=list)
+
+    def per_tensor(self, stream: str) -> list[float]:
+        """One scale per layer: the largest over kv heads (no head's values clip)."""
+        return [float(s.max()) for s in (self.key if stream == "key" else self.value)]
+
+
+def _stream_scale(policy: LayerPolicy, stream: str) -> torch.Tensor | None:
+    spec = policy.key if stream == "key" else policy.value
+    if spec.method == "fp8" and f"{stream}.scale" in policy.tensors:
+        return policy.tensors[f"{stream}.scale"].float()
+    if f"{stream}.fp8_scale" in policy.tensors:
+        return policy.tensors[f"{stream}.fp8_scale"].float()
+    return None
+
+
+def _describe(policy: LayerPolicy, stream: str) -> str | None:
+    """What the engine would not reproduce for one stream of a layer (None: FP8 E4M3, fully expressed)."""
+    spec = policy.key if stream == "key" else policy.value
+    if spec.method == "fp8" and spec.fp8_format == "e4m3":
+        return None
+    if spec.method == "none":
+        return "kept in the model dtype (the engine would store it as FP8)"
+    if spec.method == "nuq":
+        extra = f", {spec.outlier_fraction:.1%} exact outliers" if spec.outlier_fraction else ""
+        return f"nuq{spec.bits} codebook{extra} (the engine stores FP8 instead)"
+    if spec.method == "fp8":
+        return f"fp8 {spec.fp8_format} (engines take static scales for e4m3 only)"
+    return f"{spec.method}{spec.bits} (the engine stores FP8 instead)"
+
+
+def _ranges(idx: list[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> "0-2, 5, 7-8"."""
+    out, run = [], []
+    for i in idx:
+        if run and i == run[-1] + 1:
+            run.append(i)
+        else:
+            if run:
+                out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+            run = [i]
+    if run:
+        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ", ".join(out)
+
+
+def fp8_scales_for_export(cfg: KVCompressConfig, allow_partial: bool = False) -> Fp8Scales:
+    """The calibrated FP8 scales of every layer, or an ExportError naming what cannot be expressed."""
+    if cfg.layout.attention == "mla":
+        raise ExportError(
+            "MLA configs (latent caches) are not exported: engines scale the MLA latent with their own "
+            "per-tensor convention, which kvcompress does not map yet"
+        )
+    missing = [i for i, p in enumerate(cfg.layers) if _stream_scale(p, "key") is None or _stream_scale(p, "value") is None]
+    if missing:
+        raise ExportError(
+            f"the config {cfg.name!r} has no calibrated FP8 scales for layer(s) {_ranges(missing)}; engines would "
+            "fall back to a scale of 1.0. Create one with `kvcompress calibrate MODEL --preset fp8 --out FILE` "
+            "(any calibrated config carries FP8 scales)."
+        )
+    lost: dict[str, list[int]] = {}
+    for i, p in enumerate(cfg.layers):
+        for stream in ("key", "value"):
+            d = _describe(p, stream)
+            if d:
+                lost.setdefault(f"{stream}s: {d}", []).append(i)
+        if p.sinks and not p.is_lossless:
+            lost.setdefault(f"first {p.sinks} tokens kept exact (sinks)", []).append(i)
+        if p.residual and not p.is_lossless:
+            lost.setdefault(f"newest {p.residual} tokens kept exact (residual window)", []).append(i)
+        if p.sparsity.method != "none":
+            lost.setdefault(f"sparsity {p.sparsity.method}", []).append(i)
+    if any(p.key.method == "fp8" and p.key.fp8_format != "e4m3" for p in cfg.layers) or any(
+        p.value.method == "fp8" and p.value.fp8_format != "e4m3" for p in cfg.layers
+    ):
+        raise ExportError("the config stores FP8 E5M2; engines take static scales for E4M3 only "
+                          "(run E5M2 with the engine's own --kv-cache-dtype fp8_e5m2 and no scales)")
+    not_mapped = [f"layers {_ranges(idx)}: {what}" for what, idx in lost.items()]
+    if not_mapped and not allow_partial:
+        raise ExportError(
+            "this config asks for more than the engine can express:\n  - " + "\n  - ".join(not_mapped)
+            + "\nThe engine would run FP8 E4M3 with the calibrated scales instead. Pass --allow-partial to export "
+            "that anyway, or calibrate an FP8 config (`kvcompress calibrate MODEL --preset fp8`)."
+        )
+    n = len(cfg.layers)
+    return Fp8Scales(
+        key=[_stream_scale(p, "key") for p in cfg.layers],
+        value=[_stream_scale(p, "value") for p in cfg.layers],
+        mapped=[f"FP8 E4M3 static scales (calibrated amax / 448) for the keys and values of layers 0-{n - 1}"],
+        not_mapped=not_mapped,
+    )
+
+
+def _tmp_in(directory: str, suffix: str) -> str:
+    fd, tmp = tempfile.mkstemp(prefix=".kvcompress-", suffix=suffix, dir=directory)
+    os.close(fd)
+    return tmp
+
+
+def write_json_atomic(path: str, doc: dict) -> None:
+    """Write JSON to a temporary file beside `path`, then rename it into place."""
+    tmp = _tmp_in(os.path.dirname(os.path.abspath(path)), ".json")
+    try:
+        with open(tmp, "w") as f:
+            json.dump(doc, f, indent=2)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def write_safetensors_atomic(path: str, tensors: dict[str, torch.Tensor], metadata: dict | None = None) -> None:
+    from safetensors.torch import save_file
+
+    tmp = _tmp_in(os.path.dirname(os.path.abspath(path)), ".safetensors")
+    try:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+@dataclass
+class ExportResult:
+    files: list[str]
+    mapped: list[str]
+    not_mapped: list[str]
+    notes: list[str] = field(default_factory=list)

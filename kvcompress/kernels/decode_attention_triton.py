@@ -1,0 +1,550 @@
+"""Fused decode attention (flash-decoding) reading the packed cache as stored; twin of decode_attention_torch.
+
+Grid: (batch * kv head, split). Each program of a (b, h) reads that kv head's bytes once for all G query
+heads of its group (the G rows of one tl.dot, padded to 16), over a contiguous range of body tokens
+(or of page-list entries, Quest); the last split of each (b, h) reads the exact sinks and tail. Codes are
+dequantized in registers (unpack, codebook or scale/zero, fp8 bits); nuq outliers are applied as a sparse
+correction of the scores (keys) and of the output (values), exact up to the dot's input rounding. Online
+softmax in fp32 (base 2), partial (m, l, acc) per split, then a small reduce kernel.
+Optional: the log2-domain scores of every read position are written so the H2O probabilities come from
+the final log-sum-exp without a second pass over the keys.
+
+Importing this module imports Triton; `kvcompress.kernels.decode_attention` does so only when asked.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvcompress.kernels.parts import AttentionParts
+from kvcompress.kernels.streams import (
+    KIND_DENSE, KIND_FP8E4, KIND_FP8E5, KIND_INT, KIND_NUQ,
+    SCALE_HEAD, SCALE_PAGE, SCALE_ROW, SCALE_TOKEN,
+    StreamArgs, stream_args,
+)
+
+LOG2E = 1.4426950408889634  # 1/ln(2): softmax in base 2
+NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for running maxima, so exp2(m_old - m_new) never sees inf - inf
+
+
+# ---------------------------------------------------------------------------------------------------
+# dequantization helpers (elementwise on any broadcastable index shapes)
+# ---------------------------------------------------------------------------------------------------
+@triton.jit
+def _codes_bitstream(codes, c_sn, tok, d, ok, BITS: tl.constexpr):
+    """Code of element (tok, d) of a little-endian bitstream of BITS-bit codes (any BITS <= 8)."""
+    bit = d * BITS
+    row = codes + tok * c_sn
+    lo = tl.load(row + (bit >> 3), mask=ok, other=0).to(tl.int32)
+    if (BITS & (BITS - 1)) == 0:
+        word = lo
+    else:  # 3, 5, 6, 7 bits: a code may straddle two bytes
+        sh0 = bit & 7
+        hi = tl.load(row + (bit >> 3) + 1, mask=ok & (sh0 + BITS > 8), other=0).to(tl.int32)
+        word = lo | (hi << 8)
+    return (word >> (bit & 7)) & ((1 << BITS) - 1)
+
+
+@triton.jit
+def _split2(w, S: tl.constexpr, M: tl.constexpr):
+    return tl.interleave(w & M, (w >> S) & M)
+
+
+@triton.jit
+def _split4(w, S: tl.constexpr, M: tl.constexpr):
+    return tl.interleave(_split2(w, 2 * S, M), _split2(w >> S, 2 * S, M))
+
+
+@triton.jit
+def _split8(w, S: tl.constexpr, M: tl.constexpr):
+    return tl.interleave(_split4(w, 2 * S, M), _split4(w >> S, 2 * S, M))
+
+
+@triton.jit
+def _split16(w, S: tl.constexpr, M: tl.constexpr):
+    return tl.interleave(_split8(w, 2 * S, M), _split8(w >> S, 2 * S, M))
+
+
+@triton.jit
+def _codes_tile(codes, c_sn, tok, ok, BITS: tl.constexpr, D: tl.constexpr):
+    """Codes [BN, D] (int32) of the tokens tok [BN, 1]: whole 32-bit words for 2 and 4 bits, bytes for 8."""
+    if BITS == 8:
+        c = tl.load(codes + tok * c_sn + tl.arange(0, D)[None, :], mask=ok, other=0).to(tl.int32)
+    elif BITS == 4:
+        words = codes.to(tl.pointer_type(tl.int32))  # 8 codes per 32-bit word
+        w = tl.load(words + tok * (c_sn // 4) + tl.arange(0, D // 8)[None, :], mask=ok, other=0)
+        c = _split8(w, 4, 15)
+    elif BITS == 2:
+        words = codes.to(tl.pointer_type(tl.int32))  # 16 codes per 32-bit word
+        w = tl.load(words + tok * (c_sn // 4) + tl.arange(0, D // 16)[None, :], mask=ok, other=0)
+        c = _split16(w, 2, 3)
+    else:
+        c = _codes_bitstream(codes, c_sn, tok, tl.arange(0, D)[None, :], ok, BITS)
+    return c
+
+
+@triton.jit
+def _scale_at(ptr, s_sn, s_sc, tok, page, d, ok, SCALE_AT: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr):
+    """The scale (or zero) of element (tok, d): per token (group of channels), page & channel, channel, head."""
+    if SCALE_AT == 1:  # SCALE_TOKEN
+        if GROUP == D:
+            v = tl.load(ptr + tok * s_sn, mask=ok, other=0.0)
+        else:
+            v = tl.load(ptr + tok * s_sn + (d // GROUP) * s_sc, mask=ok, other=0.0)
+    elif SCALE_AT == 2:  # SCALE_PAGE
+        v = tl.load(ptr + page * s_sn + d * s_sc, mask=ok, other=0.0)
+    elif SCALE_AT == 3:  # SCALE_ROW
+        v = tl.load(ptr + d * s_sc)
+    else:  # SCALE_HEAD
+        v = tl.load(ptr)
+    return v.to(tl.float32)
+
+
+@triton.jit
+def _value_of(c, cb, KIND: tl.constexpr):
+    """value(code) before scale / zero, float32."""
+    if KIND == 4:  # KIND_NUQ
+        x = tl.load(cb + c)
+    elif KIND == 3:  # KIND_INT
+        x = c.to(tl.float32)
+    elif KIND == 1:  # KIND_FP8E4
+        x = c.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:  # KIND_FP8E5
+        x = c.to(tl.uint8).to(tl.float8e5, bitcast=True).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _apply_scale(x, scale, zero, s_sn, s_sc, tok, page, d, ok,
+                 SCALE_AT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, D: tl.constexpr):
+    if SCALE_AT != 0:
+        x = x * _scale_at(scale, s_sn, s_sc, tok, page, d, ok, SCALE_AT, GROUP, D)
+    if HAS_ZERO:
+        x = x + _scale_at(zero, s_sn, s_sc, tok, page, d, ok, SCALE_AT, GROUP, D)
+    return x
+
+
+@triton.jit
+def _dequant_tile(codes, c_sn, scale, zero, s_sn, s_sc, cb, tok, page, ok,
+                  KIND: tl.constexpr, BITS: tl.constexpr, SCALE_AT: tl.constexpr, GROUP: tl.constexpr,
+                  HAS_ZERO: tl.constexpr, D: tl.constexpr):
+    """Dequantized rows [BN, D] float32 of tokens tok [BN, 1] (pages page [BN, 1], validity ok [BN, 1])."""
+    d = tl.arange(0, D)[None, :]
+    if KIND == 0:  # KIND_DENSE
+        x = tl.load(codes + tok * c_sn + d, mask=ok, other=0.0).to(tl.float32)
+    else:
+        if KIND == 3 or KIND == 4:
+            c = _codes_tile(codes, c_sn, tok, ok, BITS, D)
+        else:
+            c = tl.load(codes + tok * c_sn + d, mask=ok, other=0)
+        x = _value_of(c, cb, KIND)
+        x = _apply_scale(x, scale, zero, s_sn, s_sc, tok, page, d, ok, SCALE_AT, GROUP, HAS_ZERO, D)
+    return x
+
+
+@triton.jit
+def _dequant_points(codes, c_sn, scale, zero, s_sn, s_sc, cb, tok, page, d, ok,
+                    KIND: tl.constexpr, BITS: tl.constexpr, SCALE_AT: tl.constexpr, GROUP: tl.constexpr,
+                    HAS_ZERO: tl.constexpr, D: tl.constexpr):
+    """Dequantized elements (tok, d) float32, for a list of points (the outlier positions)."""
+    if KIND == 3 or KIND == 4:
+        c = _codes_bitstream(codes, c_sn, tok, d, ok, BITS)
+    else:
+        c = tl.load(codes + tok * c_sn + d, mask=ok, other=0)
+    x = _value_of(c, cb, KIND)
+    return _apply_scale(x, scale, zero, s_sn, s_sc, tok, page, d, ok, SCALE_AT, GROUP, HAS_ZERO, D)
+
+
+@triton.jit
+def _cast(x, DOT_FP32: tl.constexpr, DT: tl.constexpr):
+    if not DOT_FP32:
+        x = x.to(DT)
+    return x
+
+
+@triton.jit
+def _dot(a, b, DOT_FP32: tl.constexpr):
+    if DOT_FP32:
+        c = tl.dot(a, b, input_precision="ieee")
+    else:
+        c = tl.dot(a, b)
+    return c
+
+
+@triton.jit
+def _outlier_deltas(oidx, oval, o_sp, codes, c_sn, scale, zero, s_sn, s_sc, cb,
+                    pl, l0, n_sel_tokens, len_b,
+                    HAS_PL: tl.constexpr, P: tl.constexpr, BN: tl.constexpr, OPB: tl.constexpr,
+                    KCP: tl.constexpr, NOUT: tl.constexpr,
+                    KIND: tl.constexpr, BITS: tl.constexpr, SCALE_AT: tl.constexpr, GROUP: tl.constexpr,
+                    HAS_ZERO: tl.constexpr, D: tl.constexpr):
+    """The outliers of the pages of block l0: row in the block r, channel d, exact - coded value, validity."""
+    o = tl.arange(0, OPB * KCP)
+    j = o % KCP
+    page_sel = l0 // P + o // KCP
+    ok = (j < NOUT) & (page_sel * P < n_sel_tokens)
+    if HAS_PL:
+        page = tl.load(pl + page_sel, mask=ok, other=-1)
+        ok = ok & (page >= 0)
+    else:
+        page = page_sel
+    idx = tl.load(oidx + page * o_sp + j, mask=ok, other=0).to(tl.int32)
+    val = tl.load(oval + page * o_sp + j, mask=ok, other=0.0).to(tl.float32)
+    t_in = idx // D
+    d_o = idx % D
+    tok = page * P + t_in
+    r = page_sel * P + t_in - l0
+    ok = ok & (tok < len_b) & (r >= 0) & (r < BN)
+    coded = _dequant_points(codes, c_sn, scale, zero, s_sn, s_sc, cb, tok, page, d_o, ok,
+                            KIND, BITS, SCALE_AT, GROUP, HAS_ZERO, D)
+    return r, d_o, tl.where(ok, val - coded, 0.0), ok
+
+
+@triton.jit
+def _dense_range(m_i, l_i, acc, q_dot, kp, vp, k_sn, v_sn, n, pos0, sc_row, g_ok, qk_scale,
+                 WRITE_SCORES: tl.constexpr, DBN: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                 DOT_FP32: tl.constexpr, DT: tl.constexpr):
+    """Online-softmax update over n exact tokens [n, D] (sinks or tail)."""
+    dk = tl.arange(0, DK)[None, :]
+    dv = tl.arange(0, DV)[None, :]
+    for t0 in range(0, n, DBN):
+        t = t0 + tl.arange(0, DBN)
+        ok = t < n
+        k = tl.load(kp + t[:, None] * k_sn + dk, mask=ok[:, None], other=0.0)
+        s = _dot(q_dot, tl.trans(_cast(k, DOT_FP32, DT)), DOT_FP32) * qk_scale
+        s = tl.where(ok[None, :], s, float("-inf"))
+        if WRITE_SCORES:
+            tl.store(sc_row + pos0 + t[None, :], s, mask=g_ok[:, None] & ok[None, :])
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(vp + t[:, None] * v_sn + dv, mask=ok[:, None], other=0.0)
+        acc = acc * alpha[:, None] + _dot(_cast(p, DOT_FP32, DT), _cast(v, DOT_FP32, DT), DOT_FP32)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+# ---------------------------------------------------------------------------------------------------
+# the split kernel
+# ---------------------------------------------------------------------------------------------------
+@triton.jit
+def _decode_split_kernel(
+    Q, q_sb, q_sh,
+    KC, kc_sb, kc_sh, kc_sn, KS, KZ, ks_sb, ks_sh, ks_sn, ks_sc, KCB, kcb_sh, KOI, KOV, ko_sb, ko_sh, ko_sp,
+    VC, vc_sb, vc_sh, vc_sn, VS, VZ, vs_sb, vs_sh, vs_sn, vs_sc, VCB, vcb_sh, VOI, VOV, vo_sb, vo_sh, vo_sp,
+    SK, sk_sb, sk_sh, sk_sn, SV, sv_sb, sv_sh, sv_sn, n_sink,
+    TK, tk_sb, tk_sh, tk_sn, TV, tv_sb, tv_sh, tv_sn, n_tail,
+    LENS, n_body, PL, pl_sb, pl_sh, n_sel, tokens_per_split, n_body_splits,
+    M_OUT, L_OUT, ACC_OUT, SCORES, sc_sb, sc_sh,
+    qk_scale,
+    HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+    P: tl.constexpr, BN: tl.constexpr, OPB: tl.constexpr, DBN: tl.constexpr,
+    K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_SCALE_AT: tl.constexpr, K_GROUP: tl.constexpr,
+    K_HAS_ZERO: tl.constexpr, K_NOUT: tl.constexpr, K_KCP: tl.constexpr,
+    V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_SCALE_AT: tl.constexpr, V_GROUP: tl.constexpr,
+    V_HAS_ZERO: tl.constexpr, V_NOUT: tl.constexpr, V_KCP: tl.constexpr,
+    HAS_BODY: tl.constexpr, HAS_LENS: tl.constexpr, HAS_PL: tl.constexpr, WRITE_SCORES: tl.constexpr,
+    DOT_FP32: tl.constexpr, DT: tl.constexpr,
+):
+    pid_bh = tl.program_id(0)
+    split = tl.program_id(1)
+    n_splits = n_body_splits + 1
+    b = pid_bh // HKV
+    h = pid_bh % HKV
+    b64 = b.to(tl.int64)
+
+    g = tl.arange(0, GP)
+    g_ok = g < G
+    dk = tl.arange(0, DK)
+    dv = tl.arange(0, DV)
+    q_rows = Q + b64 * q_sb + (h * G + g)[:, None] * q_sh
+    q = tl.load(q_rows + dk[None, :], mask=g_ok[:, None], other=0.0).to(tl.float32)  # [GP, DK]
+    q_dot = _cast(q, DOT_FP32, DT)
+    sc_row = SCORES + b64 * sc_sb + (h * G + g)[:, None] * sc_sh  # [GP, 1]
+
+    m_i = tl.full([GP], NEG_BIG, tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, DV], tl.float32)
+
+    if split == n_body_splits:
+        # the exact parts: sinks, then tail
+        m_i, l_i, acc = _dense_range(
+            m_i, l_i, acc, q_dot, SK + b64 * sk_sb + h * sk_sh, SV + b64 * sv_sb + h * sv_sh, sk_sn, sv_sn,
+            n_sink, 0, sc_row, g_ok, qk_scale, WRITE_SCORES, DBN, DK, DV, DOT_FP32, DT)
+        m_i, l_i, acc = _dense_range(
+            m_i, l_i, acc, q_dot, TK + b64 * tk_sb + h * tk_sh, TV + b64 * tv_sb + h * tv_sh, tk_sn, tv_sn,
+            n_tail, n_sink + n_body, sc_row, g_ok, qk_scale, WRITE_SCORES, DBN, DK, DV, DOT_FP32, DT)
+    elif HAS_BODY:
+        kc = KC + b64 * kc_sb + h * kc_sh
+        ks = KS + b64 * ks_sb + h * ks_sh
+        kz = KZ + b64 * ks_sb + h * ks_sh
+        kcb = KCB + h * kcb_sh
+        vc = VC + b64 * vc_sb + h * vc_sh
+        vs = VS + b64 * vs_sb + h * vs_sh
+        vz = VZ + b64 * vs_sb + h * vs_sh
+        vcb = VCB + h * vcb_sh
+        koi = KOI + b64 * ko_sb + h * ko_sh
+        kov = KOV + b64 * ko_sb + h * ko_sh
+        voi = VOI + b64 * vo_sb + h * vo_sh
+        vov = VOV + b64 * vo_sb + h * vo_sh
+        pl = PL + b64 * pl_sb + h * pl_sh
+        if HAS_LENS:
+            len_b = tl.load(LENS + b).to(tl.int32)
+        else:
+            len_b = n_body
+        if HAS_PL:
+            n_logical = n_sel * P
+        else:
+            n_logical = len_b
+        start = split * tokens_per_split
+        end = tl.minimum(start + tokens_per_split, n_logical)
+        rows = tl.arange(0, BN)
+        for l0 in range(start, end, BN):
+            l = l0 + rows
+            if HAS_PL:
+                page_sel = l // P
+                page = tl.load(pl + page_sel, mask=l < n_logical, other=-1)
+                tok = page * P + l % P
+                ok = (l < n_logical) & (page >= 0) & (tok < len_b)
+            else:
+                tok = l
+                page = l // P
+                ok = l < n_logical
+            tok2 = tok[:, None]
+            page2 = page[:, None]
+            ok2 = ok[:, None]
+            # -- scores
+            k = _dequant_tile(kc, kc_sn, ks, kz, ks_sn, ks_sc, kcb, tok2, page2, ok2,
+                              K_KIND, K_BITS, K_SCALE_AT, K_GROUP, K_HAS_ZERO, DK)
+            s = _dot(q_dot, tl.trans(_cast(k, DOT_FP32, DT)), DOT_FP32)  # [GP, BN]
+            if K_NOUT > 0:
+                r, d_o, delta, o_ok = _outlier_deltas(
+                    koi, kov, ko_sp, kc, kc_sn, ks, kz, ks_sn, ks_sc, kcb, pl, l0, n_logical, len_b,
+                    HAS_PL, P, BN, OPB, K_KCP, K_NOUT, K_KIND, K_BITS, K_SCALE_AT, K_GROUP, K_HAS_ZERO, DK)
+                q_at = tl.load(q_rows + d_o[None, :], mask=g_ok[:, None] & o_ok[None, :], other=0.0)
+                qd = q_at.to(tl.float32) * delta[None, :]  # [GP, OK]
+                hit = (r[:, None] == rows[None, :]) & o_ok[:, None]  # [OK, BN]
+                s += _dot(_cast(qd, DOT_FP32, DT), _cast(hit.to(tl.float32), DOT_FP32, DT), DOT_FP32)
+            s = s * qk_scale
+            s = tl.where(ok[None, :], s, float("-inf"))
+            if WRITE_SCORES:
+                tl.store(sc_row + n_sink + tok[None, :], s, mask=g_ok[:, None] & ok[None, :])
+            # -- online softmax
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = _dequant_tile(vc, vc_sn, vs, vz, vs_sn, vs_sc, vcb, tok2, page2, ok2,
+                              V_KIND, V_BITS, V_SCALE_AT, V_GROUP, V_HAS_ZERO, DV)
+            p_dot = _cast(p, DOT_FP32, DT)
+            acc = acc * alpha[:, None] + _dot(p_dot, _cast(v, DOT_FP32, DT), DOT_FP32)
+            if V_NOUT > 0:
+                r, d_o, delta, o_ok = _outlier_deltas(
+                    voi, vov, vo_sp, vc, vc_sn, vs, vz, vs_sn, vs_sc, vcb, pl, l0, n_logical, len_b,
+                    HAS_PL, P, BN, OPB, V_KCP, V_NOUT, V_KIND, V_BITS, V_SCALE_AT, V_GROUP, V_HAS_ZERO, DV)
+                hit_t = (rows[:, None] == r[None, :]) & o_ok[None, :]  # [BN, OK]
+                p_at = _dot(p_dot, _cast(hit_t.to(tl.float32), DOT_FP32, DT), DOT_FP32)  # [GP, OK]
+                vd = tl.where(d_o[:, None] == dv[None, :], delta[:, None], 0.0)  # [OK, DV]
+                acc += _dot(_cast(p_at, DOT_FP32, DT), _cast(vd, DOT_FP32, DT), DOT_FP32)
+            m_i = m_new
+
+    out_row = (b * HKV * G + h * G + g) * n_splits + split  # [GP]
+    tl.store(M_OUT + out_row, m_i, mask=g_ok)
+    tl.store(L_OUT + out_row, l_i, mask=g_ok)
+    tl.store(ACC_OUT + out_row[:, None] * DV + dv[None, :], acc, mask=g_ok[:, None])
+
+
+@triton.jit
+def _reduce_kernel(M_IN, L_IN, ACC_IN, OUT, LSE, n_splits, DV: tl.constexpr, SB: tl.constexpr):
+    """Merge the splits of one (batch, query head): out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s."""
+    row = tl.program_id(0)
+    dv = tl.arange(0, DV)
+    s = tl.arange(0, SB)
+    m_max = tl.full([SB], NEG_BIG, tl.float32)
+    for s0 in range(0, n_splits, SB):
+        m_max = tl.maximum(m_max, tl.load(M_IN + row * n_splits + s0 + s, mask=s0 + s < n_splits, other=NEG_BIG))
+    big_m = tl.max(m_max, 0)
+    num = tl.zeros([DV], tl.float32)
+    den = tl.zeros([SB], tl.float32)
+    for s0 in range(0, n_splits, SB):
+        ok = s0 + s < n_splits
+        m = tl.load(M_IN + row * n_splits + s0 + s, mask=ok, other=NEG_BIG)
+        w = tl.where(ok, tl.exp2(m - big_m), 0.0)
+        den += w * tl.load(L_IN + row * n_splits + s0 + s, mask=ok, other=0.0)
+        a = tl.load(ACC_IN + (row * n_splits + s0 + s)[:, None] * DV + dv[None, :], mask=ok[:, None], other=0.0)
+        num += tl.sum(w[:, None] * a, 0)
+    total = tl.sum(den, 0)
+    tl.store(OUT + row * DV + dv, (num / total).to(OUT.dtype.element_ty))
+    tl.store(LSE + row, big_m + tl.log2(total))
+
+
+# ---------------------------------------------------------------------------------------------------
+# launcher
+# ---------------------------------------------------------------------------------------------------
+_DOT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _rows_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the interpreter: few splits keep the tests fast
+
+
+def _stream_launch_args(a: StreamArgs) -> list:
+    c = _rows_contiguous(a.codes)
+    if a.kind in (KIND_INT, KIND_NUQ) and a.bits in (2, 4):
+        if c.stride(2) % 4 or c.stride(1) % 4 or c.stride(0) % 4 or c.data_ptr() % 4:
+            raise ValueError("packed codes must start on 4-byte boundaries per token for the word loads")
+    sb, sh, sn, sc = a.scale_strides
+    return [
+        c, c.stride(0), c.stride(1), c.stride(2),
+        a.scale, a.zero, sb, sh, sn, sc,
+        a.codebook, a.codebook_head_stride,
+        a.outlier_idx, a.outlier_val, a.outlier_idx.stride(0), a.outlier_idx.stride(1),
+        a.outlier_idx.stride(2) if a.n_outliers else 0,
+    ]
+
+
+def _stream_constants(a: StreamArgs | None, prefix: str) -> dict:
+    if a is None:
+        return {f"{prefix}_KIND": KIND_DENSE, f"{prefix}_BITS": 8, f"{prefix}_SCALE_AT": 0, f"{prefix}_GROUP": 1,
+                f"{prefix}_HAS_ZERO": False, f"{prefix}_NOUT": 0, f"{prefix}_KCP": 16}
+    return {
+        f"{prefix}_KIND": a.kind, f"{prefix}_BITS": a.bits, f"{prefix}_SCALE_AT": a.scale_at,
+        f"{prefix}_GROUP": a.group, f"{prefix}_HAS_ZERO": a.has_zero, f"{prefix}_NOUT": a.n_outliers,
+        f"{prefix}_KCP": max(16, _next_pow2(a.n_outliers)),
+    }
+
+
+def _rotate(x: torch.Tensor, signs: torch.Tensor | None) -> torch.Tensor:
+    if signs is None:
+        return x
+    from kvcompress.quant.rotation import rotate
+
+    return rotate(x, signs).to(x.dtype)
+
+
+def decode_attention_triton(
+    q: torch.Tensor,
+    parts: AttentionParts,
+    scaling: float,
+    page_list: torch.Tensor | None = None,
+    return_probs: bool = False,
+    *,
+    block_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    splits: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Fused decode attention; same signature and result as `decode_attention_torch`.
+
+    q [B, Hq, Dk]; parts: see AttentionParts; page_list [B, Hkv, n_sel] (Quest); returns
+    (out [B, Hq, Dv] in q.dtype, probs [B, Hkv, S+N+T] fp32 or None). Tuning: block_n body tokens per
+    step, num_warps / num_stages of the split kernel, splits per (batch, kv head) (None: fill the GPU).
+    """
+    b, hq, dk = q.shape
+    hkv = parts.kv_heads
+    if hq % hkv:
+        raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({hkv})")
+    group = hq // hkv
+    dtype = parts.tail_k.dtype
+    if dtype not in _DOT_DTYPES:
+        raise ValueError(f"model dtype {dtype} is not supported by the fused kernel (bf16, fp16, fp32)")
+    dv = parts.tail_v.shape[-1]
+    for name, dim in (("key", dk), ("value", dv)):
+        if dim < 16 or dim & (dim - 1):
+            raise ValueError(f"the fused kernel needs a power-of-two {name} head dim >= 16, got {dim}")
+    dev = q.device
+    q = _rows_contiguous(q)
+    sink_k, sink_v, tail_k, tail_v = parts.sink_k, parts.sink_v, parts.tail_k, parts.tail_v
+
+    key_args = value_args = None
+    n_body, page_size = parts.n_body, 16
+    if parts.key is not None:
+        key_args = stream_args(parts.key.codec, parts.key.data, parts.key.row)
+        value_args = stream_args(parts.value.codec, parts.value.data, parts.value.row)
+        page_size = parts.key.page_size
+        # rotated streams (TurboQuant): attend in the rotated basis, the exact parts rotated to match
+        if key_args.rotation_signs is not None:
+            q = _rotate(q, key_args.rotation_signs).contiguous()
+            sink_k, tail_k = _rotate(sink_k, key_args.rotation_signs), _rotate(tail_k, key_args.rotation_signs)
+        if value_args.rotation_signs is not None:
+            sink_v, tail_v = _rotate(sink_v, value_args.rotation_signs), _rotate(tail_v, value_args.rotation_signs)
+    sink_k, sink_v, tail_k, tail_v = map(_rows_contiguous, (sink_k, sink_v, tail_k, tail_v))
+
+    # body geometry and splits
+    has_outliers = key_args is not None and (key_args.n_outliers or value_args.n_outliers)
+    if has_outliers and block_n % page_size and page_size % block_n:
+        raise ValueError(f"block_n {block_n} and page size {page_size} must divide one another for outliers")
+    opb = max(block_n // page_size, 1)
+    if page_list is not None and key_args is not None:
+        page_list = page_list.to(dev, torch.int32)
+        n_sel = page_list.shape[2]
+        n_logical = n_sel * page_size
+        pl_args = [page_list, page_list.stride(0), page_list.stride(1), n_sel]
+    else:
+        n_logical = n_body
+        pl_args = [q, 0, 0, 0]
+    if splits is None:
+        splits = max(1, -(-4 * _num_sms(dev) // (b * hkv)))
+    n_blocks = -(-n_logical // block_n)
+    splits = max(1, min(splits, n_blocks))
+    tokens_per_split = -(-n_blocks // splits) * block_n
+    body_splits = -(-n_logical // tokens_per_split) if n_logical else 0
+    n_splits = body_splits + 1
+
+    lens = parts.body_lengths
+    lens = lens.to(dev, torch.int32) if lens is not None else q
+
+    m_part = torch.empty(b * hq * n_splits, device=dev, dtype=torch.float32)
+    l_part = torch.empty_like(m_part)
+    acc_part = torch.empty(b * hq * n_splits, dv, device=dev, dtype=torch.float32)
+    n_pos = parts.n_positions
+    if return_probs:
+        scores = torch.full((b, hq, n_pos), float("-inf"), device=dev, dtype=torch.float32)
+    else:
+        scores = m_part
+    dummy_stream = [q, 0, 0, 0, q, q, 0, 0, 0, 0, q, 0, q, q, 0, 0, 0]
+    grid = (b * hkv, n_splits)
+    _decode_split_kernel[grid](
+        q, q.stride(0), q.stride(1),
+        *(_stream_launch_args(key_args) if key_args else dummy_stream),
+        *(_stream_launch_args(value_args) if value_args else dummy_stream),
+        sink_k, sink_k.stride(0), sink_k.stride(1), sink_k.stride(2),
+        sink_v, sink_v.stride(0), sink_v.stride(1), sink_v.stride(2), parts.n_sinks,
+        tail_k, tail_k.stride(0), tail_k.stride(1), tail_k.stride(2),
+        tail_v, tail_v.stride(0), tail_v.stride(1), tail_v.stride(2), parts.n_tail,
+        lens, n_body, *pl_args, tokens_per_split, body_splits,
+        m_part, l_part, acc_part, scores, scores.stride(0) if return_probs else 0,
+        scores.stride(1) if return_probs else 0,
+        scaling * LOG2E,
+        HKV=hkv, G=group, GP=max(16, _next_pow2(group)), DK=dk, DV=dv,
+        P=page_size, BN=block_n, OPB=opb, DBN=32,
+        **_stream_constants(key_args, "K"), **_stream_constants(value_args, "V"),
+        HAS_BODY=key_args is not None, HAS_LENS=parts.body_lengths is not None,
+        HAS_PL=page_list is not None and key_args is not None, WRITE_SCORES=return_probs,
+        DOT_FP32=dtype == torch.float32, DT=_DOT_DTYPES[dtype],
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    out = torch.empty(b, hq, dv, device=dev, dtype=q.dtype)
+    lse = torch.empty(b, hq, device=dev, dtype=torch.float32)
+    _reduce_kernel[(b * hq,)](m_part, l_part, acc_part, out, lse, n_splits, DV=dv, SB=16)
+    if value_args is not None and value_args.rotation_signs is not None:
+        from kvcompress.quant.rotation import unrotate
+
+        out = unrotate(out, value_args.rotation_signs).to(q.dtype)
+    if not return_probs:
+        return out, None
+    probs = torch.exp2(scores - lse[..., None]).view(b, hkv, group, n_pos).sum(2)
+    return out, probs

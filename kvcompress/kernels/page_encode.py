@@ -1,0 +1,54 @@
+"""Encode whole pages of new tokens into the packed layout (the append path): torch twin and Triton.
+
+`encode_pages_torch(codec, x, row)` is the codec's own `encode`; `encode_pages_triton` does the same in
+one launch per call, one program per (batch, head, page), for FP8 (per-token dynamic scales) and KIVI
+integers (per-page-channel or per-token-group scales, 2/4/8 bits). NUQ encoding (nearest codebook
+level plus the per-page outlier top-k) stays on the torch path. `encode_pages` dispatches.
+x: [B, H, n_pages * P, D] -> fields as the codec's `encode` returns them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvcompress.quant.base import Codec
+
+
+def encode_pages_torch(codec: Codec, x: torch.Tensor, row: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return codec.encode(x, row)
+
+
+def triton_encodes(codec: Codec) -> bool:
+    """Whether `encode_pages_triton` handles this codec."""
+    from kvcompress.quant.fp8 import Fp8Codec
+    from kvcompress.quant.uniform import UniformCodec
+
+    if isinstance(codec, Fp8Codec):
+        return codec.static_scale is None and codec.head_dim & (codec.head_dim - 1) == 0
+    if isinstance(codec, UniformCodec):
+        pow2 = lambda n: n & (n - 1) == 0  # noqa: E731
+        return codec.nbits in (2, 4, 8) and pow2(codec.head_dim) and pow2(codec.page_size) and pow2(codec.group)
+    return False
+
+
+def encode_pages_triton(codec: Codec, x: torch.Tensor, row: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    if not triton_encodes(codec):
+        raise NotImplementedError(
+            f"the Triton page encoder does not handle {type(codec).__name__} with these settings; use encode_pages_torch"
+        )
+    from kvcompress.kernels.page_encode_triton import encode_fp8, encode_uniform
+    from kvcompress.quant.fp8 import Fp8Codec
+
+    if isinstance(codec, Fp8Codec):
+        return encode_fp8(codec, x)
+    return encode_uniform(codec, x)
+
+
+def encode_pages(codec: Codec, x: torch.Tensor, row: dict[str, torch.Tensor], backend: str | None = None):
+    """The selected backend's encoder (torch for codecs the Triton encoder does not handle)."""
+    from kvcompress.kernels.backend import select_backend
+
+    backend = backend or select_backend(x.device)
+    if backend == "triton" and triton_encodes(codec):
+        return encode_pages_triton(codec, x, row)
+    return encode_pages_torch(codec, x, row)

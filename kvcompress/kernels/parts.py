@@ -1,0 +1,122 @@
+"""What a decode-attention kernel reads of one layer: the packed body of each stream plus the exact parts.
+
+A `CompressedLayer` holds, per stream (keys, values), in token order:
+``sinks`` [B, H, S, D] (model dtype) | ``body`` (a PagedStore: packed fields of N = n_pages * P tokens)
+| ``tail`` [B, H, T, D] (model dtype). `AttentionParts` is that, detached from the cache object, so the
+kernels know nothing of transformers. `body_lengths` [B] (optional) marks how many body tokens of each
+batch row are valid (a batch of different lengths); tokens past it are never attended.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvcompress.quant.base import Codec, FieldKind
+
+
+@dataclass
+class PackedStream:
+    """One stream's packed body: the codec, its TOKEN/PAGE fields and its ROW statistics."""
+
+    codec: Codec
+    data: dict[str, torch.Tensor]
+    row: dict[str, torch.Tensor]
+    n_tokens: int
+
+    def __post_init__(self):
+        if self.n_tokens % self.codec.page_size:
+            raise ValueError(f"a packed body holds whole pages of {self.codec.page_size}, got {self.n_tokens} tokens")
+
+    @property
+    def page_size(self) -> int:
+        return self.codec.page_size
+
+    @property
+    def n_pages(self) -> int:
+        return self.n_tokens // self.codec.page_size
+
+    def decode(self, dtype: torch.dtype) -> torch.Tensor:
+        """All body tokens, [B, H, N, D] in `dtype`."""
+        return self.codec.decode(self.data, self.row, dtype)
+
+    def decode_pages(self, page_list: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The tokens of the listed pages only, page_list [B, H, n_sel] (entries < 0 read page 0):
+        -> [B, H, n_sel * P, D] in `dtype`. Fields are gathered page by page, then decoded once."""
+        p = self.page_size
+        pages = page_list.long().clamp_min(0)  # [B, H, n_sel]
+        tokens = (pages[..., None] * p + torch.arange(p, device=pages.device)).flatten(2)  # [B, H, n_sel*P]
+        kinds = self.codec.fields()
+        picked = {}
+        for name, t in self.data.items():
+            idx = tokens if kinds[name][0] == FieldKind.TOKEN else pages
+            idx = idx.reshape(*idx.shape, *([1] * (t.dim() - 3))).expand(*idx.shape, *t.shape[3:])
+            picked[name] = torch.gather(t, 2, idx)
+        return self.codec.decode(picked, self.row, dtype)
+
+
+@dataclass
+class AttentionParts:
+    """The K/V of one layer as the fused decode kernels read it.
+
+    key, value: the packed bodies (None when the body is empty);
+    sink_k, sink_v: [B, H, S, D]; tail_k, tail_v: [B, H, T, D] (model dtype);
+    body_lengths: [B] int, valid body tokens per batch row (None: all N).
+    """
+
+    key: PackedStream | None
+    value: PackedStream | None
+    sink_k: torch.Tensor
+    sink_v: torch.Tensor
+    tail_k: torch.Tensor
+    tail_v: torch.Tensor
+    body_lengths: torch.Tensor | None = None
+
+    def __post_init__(self):
+        if (self.key is None) != (self.value is None):
+            raise ValueError("keys and values must both have a packed body or both have none")
+        if self.key is not None and self.key.n_tokens != self.value.n_tokens:
+            raise ValueError(f"key body holds {self.key.n_tokens} tokens, value body {self.value.n_tokens}")
+        if self.key is not None and self.key.page_size != self.value.page_size:
+            raise ValueError("keys and values must share one page size")
+
+    @property
+    def n_body(self) -> int:
+        return 0 if self.key is None else self.key.n_tokens
+
+    @property
+    def n_sinks(self) -> int:
+        return self.sink_k.shape[2]
+
+    @property
+    def n_tail(self) -> int:
+        return self.tail_k.shape[2]
+
+    @property
+    def n_positions(self) -> int:
+        """Token positions of the layer in order sinks | body | tail (the H2O probability vector's length)."""
+        return self.n_sinks + self.n_body + self.n_tail
+
+    @property
+    def batch(self) -> int:
+        return self.tail_k.shape[0]
+
+    @property
+    def kv_heads(self) -> int:
+        return self.tail_k.shape[1]
+
+
+def layer_parts(layer, body_lengths: torch.Tensor | None = None) -> AttentionParts:
+    """The AttentionParts of an initialised `kvcompress.cache.CompressedLayer` (no copies)."""
+    if not getattr(layer, "is_initialized", False):
+        raise ValueError("the layer holds no tokens yet: call update() / append() first")
+    if not layer.compressed:
+        empty_k, empty_v = layer.tail_k[:, :, :0], layer.tail_v[:, :, :0]
+        return AttentionParts(None, None, empty_k, empty_v, layer.tail_k, layer.tail_v)
+    ks, vs = layer.key_store, layer.value_store
+    key = value = None
+    if ks.n_tokens:
+        key = PackedStream(ks.codec, ks.data, ks.row, ks.n_tokens)
+        value = PackedStream(vs.codec, vs.data, vs.row, vs.n_tokens)
+    return AttentionParts(key, value, layer.sink_k, layer.sink_v, layer.tail_k, layer.tail_v, body_lengths)

@@ -1,0 +1,132 @@
+"""How the fused kernels address one packed stream: its codec turned into pointers, strides and constants.
+
+Every supported codec dequantizes as  x = value(code) * scale + zero,  where value() is the identity
+(int), a codebook lookup (nuq), an fp8 bit pattern (fp8) or the stored element itself (no codec), and
+scale / zero are read per token (optionally per group of channels), per page and channel, per row and
+channel, or per head. Outliers (nuq) are a per-page list of (position t*D + d, exact value).
+No Triton here: this module is plain torch so the CPU path can ask what the kernel supports.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvcompress.quant.base import Codec
+
+# value(code)
+KIND_DENSE, KIND_FP8E4, KIND_FP8E5, KIND_INT, KIND_NUQ = 0, 1, 2, 3, 4
+# where scale / zero are read
+SCALE_NONE, SCALE_TOKEN, SCALE_PAGE, SCALE_ROW, SCALE_HEAD = 0, 1, 2, 3, 4
+
+
+def stream_supported(codec: Codec) -> bool:
+    from kvcompress.quant.fp8 import Fp8Codec
+    from kvcompress.quant.identity import IdentityCodec
+    from kvcompress.quant.nuq import NuqCodec
+    from kvcompress.quant.uniform import UniformCodec
+
+    if isinstance(codec, NuqCodec):
+        return codec.codebook.dim() in (1, 2)
+    return isinstance(codec, (Fp8Codec, IdentityCodec, UniformCodec))
+
+
+@dataclass
+class StreamArgs:
+    """Kernel arguments of one stream. Tensors are views of the stored ones (nothing is copied per step,
+    except shared codec tensors moved once to the data's device)."""
+
+    codes: torch.Tensor  # [B, H, N, W] uint8 (packed / fp8 bits) or [B, H, N, D] model dtype
+    scale: torch.Tensor
+    zero: torch.Tensor
+    scale_strides: tuple[int, int, int, int]  # batch, head, token-or-page, channel-or-group
+    codebook: torch.Tensor  # [L] or [H, L] float32
+    codebook_head_stride: int
+    outlier_idx: torch.Tensor  # [B, H, n_pages, k]
+    outlier_val: torch.Tensor
+    kind: int
+    bits: int
+    scale_at: int
+    group: int
+    has_zero: bool
+    n_outliers: int
+    rotation_signs: torch.Tensor | None
+
+
+def stream_args(codec: Codec, data: dict[str, torch.Tensor], row: dict[str, torch.Tensor]) -> StreamArgs:
+    from kvcompress.quant.fp8 import Fp8Codec
+    from kvcompress.quant.identity import IdentityCodec
+    from kvcompress.quant.nuq import NuqCodec
+    from kvcompress.quant.uniform import UniformCodec
+
+    if not stream_supported(codec):
+        raise NotImplementedError(
+            f"the fused decode kernel does not read {type(codec).__name__} streams; "
+            "use KVCOMPRESS_KERNELS=torch (or decode_attention, which falls back for such codecs)"
+        )
+    d = codec.head_dim
+    codes = data["codes"] if "codes" in data else data["data"]
+    device = codes.device
+    none = codes  # placeholder pointer for absent tensors: never read (guarded by constants)
+    a = dict(
+        codes=codes, scale=none, zero=none, scale_strides=(0, 0, 0, 0), codebook=none, codebook_head_stride=0,
+        outlier_idx=none, outlier_val=none, kind=KIND_DENSE, bits=8, scale_at=SCALE_NONE, group=d,
+        has_zero=False, n_outliers=0, rotation_signs=None,
+    )
+    if isinstance(codec, IdentityCodec):
+        return StreamArgs(**a)
+    if isinstance(codec, Fp8Codec):
+        a["kind"] = KIND_FP8E4 if codec.fmt == "e4m3" else KIND_FP8E5
+        if codec.static_scale is not None:
+            codec.to(device)
+            a["scale"], a["scale_at"] = codec.static_scale.float().contiguous(), SCALE_HEAD
+            a["scale_strides"] = (0, a["scale"].stride(0), 0, 0)
+        else:
+            a["scale"], a["scale_at"] = data["scale"], SCALE_TOKEN
+            a["scale_strides"] = _strides4(data["scale"])
+        return StreamArgs(**a)
+    if isinstance(codec, UniformCodec):
+        a.update(kind=KIND_INT, bits=codec.nbits, scale=data["scale"], zero=data["zero"], has_zero=True)
+        a["scale_strides"] = _strides4(data["scale"])
+        _same_strides(data["scale"], data["zero"], "scale", "zero")
+        if codec.axis == "channel":
+            a.update(scale_at=SCALE_PAGE, group=1)
+        else:
+            a.update(scale_at=SCALE_TOKEN, group=codec.group)
+        return StreamArgs(**a)
+    # NuqCodec
+    if codec.codebook.device != device or (
+        codec.rotation_signs is not None and codec.rotation_signs.device != device
+    ):
+        codec.to(device)
+    cb = codec.codebook
+    if cb.dtype != torch.float32 or not cb.is_contiguous():
+        codec.codebook = cb = cb.float().contiguous()
+    a.update(kind=KIND_NUQ, bits=codec.nbits, codebook=cb, codebook_head_stride=cb.shape[-1] if cb.dim() == 2 else 0)
+    a["rotation_signs"] = codec.rotation_signs
+    if codec.axis == "channel":
+        if codec._calibrated_channels:
+            mean = codec.channel_mean.to(device, torch.float32).contiguous()  # [H, D]
+            scale = codec.channel_scale.to(device, torch.float32).contiguous()
+            strides = (0, scale.stride(0), 0, scale.stride(1))
+        else:
+            mean, scale = row["channel_mean"], row["channel_scale"]  # [B, H, 1, D]
+            _same_strides(scale, mean, "channel_scale", "channel_mean")
+            strides = (scale.stride(0), scale.stride(1), 0, scale.stride(3))
+        a.update(scale=scale, zero=mean, has_zero=True, scale_at=SCALE_ROW, group=1, scale_strides=strides)
+    else:
+        a.update(scale=data["scale"], scale_at=SCALE_TOKEN, group=d, scale_strides=_strides4(data["scale"]))
+    if codec.n_outliers:
+        _same_strides(data["outlier_idx"], data["outlier_val"], "outlier_idx", "outlier_val")
+        a.update(outlier_idx=data["outlier_idx"], outlier_val=data["outlier_val"], n_outliers=codec.n_outliers)
+    return StreamArgs(**a)
+
+
+def _strides4(t: torch.Tensor) -> tuple[int, int, int, int]:
+    return t.stride(0), t.stride(1), t.stride(2), t.stride(3) if t.dim() > 3 else 0
+
+
+def _same_strides(a: torch.Tensor, b: torch.Tensor, name_a: str, name_b: str) -> None:
+    if a.stride() != b.stride():
+        raise ValueError(f"{name_a} and {name_b} must share one memory layout, got strides {a.stride()} / {b.stride()}")

@@ -1,0 +1,52 @@
+"""Attention over what a sparse layer keeps: the pure-torch reference backend.
+
+A backend is a function `(query, layer, scaling) -> (output, mass)`:
+query [B, Hq, q, D]; it reads `layer.sparse.step` (the held K [B, H, held, Dk] / V, the mask
+[B, H, q, held] with True = attend, and optionally the held indices [B, H, n] to read); it returns the
+output [B, Hq, q, Dv] and, when `step.mass_queries` > 0, the attention mass per held token [B, H, held]
+summed over the newest `mass_queries` queries and the GQA group's query heads (None otherwise).
+Query heads h*G .. h*G+G-1 share kv head h, as in transformers' repeat_kv; K/V are never repeated.
+A Triton backend with the same signature registers itself in BACKENDS.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from kvcompress.sparse.state import gather_step
+
+Backend = Callable[[torch.Tensor, object, float], tuple[torch.Tensor, torch.Tensor | None]]
+
+QUERY_BLOCK = 256  # queries per block at prefill: bounds the [G*block, held] score matrix
+
+
+def attend_torch(query: torch.Tensor, layer, scaling: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    step = layer.sparse.step
+    k, v, mask = gather_step(step)  # [B, H, n, Dk], [B, H, n, Dv], [B, H, q, n]
+    b, hq, q, _ = query.shape
+    h, n = k.shape[1], k.shape[2]
+    g = hq // h
+    outs, mass = [], None
+    first_mass = q - step.mass_queries
+    for lo in range(0, q, QUERY_BLOCK):
+        hi = min(lo + QUERY_BLOCK, q)
+        qb = query[:, :, lo:hi].reshape(b, h, g, hi - lo, -1).float()  # [B, H, G, s, D]
+        scores = torch.einsum("bhgsd,bhnd->bhgsn", qb, k.float()) * scaling  # [B, H, G, s, n]
+        allowed = mask[:, :, None, lo:hi]  # [B, H, 1, s, n]
+        scores = scores.masked_fill(~allowed, torch.finfo(torch.float32).min)
+        w = torch.softmax(scores, dim=-1) * allowed  # a query that may attend nothing gets zeros
+        outs.append(torch.einsum("bhgsn,bhnd->bhgsd", w, v.float()))
+        if step.mass_queries and hi > first_mass:
+            part = w[:, :, :, max(first_mass - lo, 0):].sum((2, 3))  # [B, H, n]
+            mass = part if mass is None else mass + part
+    out = torch.cat(outs, dim=3).reshape(b, hq, q, -1).to(query.dtype)
+    if mass is not None and step.index is not None:
+        # report the mass against every held token (unread ones got none)
+        full = mass.new_zeros(b, h, step.keys.shape[2])
+        mass = full.scatter(2, step.index, mass)
+    return out, mass
+
+
+BACKENDS: dict[str, Backend] = {"torch": attend_torch}

@@ -1,0 +1,161 @@
+"""The small base every sparsity policy shares: budgets, per-kv-head top-k selection, eviction.
+
+A policy is a @dataclass of its hyperparameters (from SparsitySpec) that implements one or two hooks:
+
+- `select(state, query, mask)`: which held tokens this step reads (Quest); default: all of them.
+- `after_attention(layer, state, mass, valid)`: update scores and evict (H2O, StreamingLLM, SnapKV).
+
+Selection is always per (batch row, kv head) with the same count in every row: a policy gives a
+priority per held token [B, H, held] and the tokens it must keep; padding is never kept over a real
+token (priority -inf) and stays masked. `compact` then frees what is not kept:
+
+- full-precision storage (a lossless layer, all tokens in its tail): a token-level gather;
+- quantized storage (sinks | packed body pages | tail): the exact sinks and the full-precision tail
+  are kept and the body is evicted a whole page at a time. Per-page fields (KIVI key scales, NUQ
+  outlier lists, and the per-token scales NUQ computes with outliers left out) cannot be regrouped
+  into new pages without re-quantizing values that are already lossy; a heavy hitter survives many
+  compactions, so that error would compound. Whole pages are gathered exactly, field by field.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kvcompress.config import ConfigError, SparsitySpec
+from kvcompress.quant.base import FieldKind
+
+
+@dataclass
+class SparsePolicy:
+    """Shared hyperparameters. budget: tokens per kv head (0: use `ratio` of the tokens seen)."""
+
+    budget: int = 0
+    ratio: float = 0.0
+    page_size: int = 16
+
+    keeps_page_summaries = False  # Quest: min/max key summaries per page
+
+    def __post_init__(self):
+        if self.budget < 0 or not 0.0 <= self.ratio <= 1.0 or (self.budget == 0 and self.ratio == 0.0):
+            raise ConfigError(
+                f"{type(self).__name__} needs budget > 0 or ratio in (0, 1]; got {self.budget}, {self.ratio}"
+            )
+        if self.page_size < 1:
+            raise ConfigError(f"page_size must be >= 1, got {self.page_size}")
+
+    @classmethod
+    def from_spec(cls, spec: SparsitySpec) -> "SparsePolicy":
+        raise NotImplementedError
+
+    def token_budget(self, seen: int) -> int:
+        """Tokens per kv head for a context of `seen` tokens."""
+        return self.budget if self.budget else max(1, math.ceil(self.ratio * seen))
+
+    # -- hooks -----------------------------------------------------------------------------------
+    def mass_queries(self, q_len: int) -> int:
+        """How many of the newest queries' attention the policy needs summed per token (0: none)."""
+        return 0
+
+    def select(self, state, query: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
+        """Held-token indices [B, H, n] to read this step, sorted; None reads everything."""
+        return None
+
+    def after_attention(self, layer, state, mass: torch.Tensor | None, valid: torch.Tensor) -> None:
+        """mass: [B, H, held] attention summed over the group's query heads (or None);
+        valid: [B, H, held] False on padding."""
+
+
+# -- selection -------------------------------------------------------------------------------------
+def keep_key(priority: torch.Tensor, forced: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Selection key [B, H, N]: +inf for forced real tokens, -inf for padding, else the priority."""
+    key = priority.float().masked_fill(forced, float("inf"))
+    return key.masked_fill(~valid, float("-inf"))
+
+
+def top_indices(key: torch.Tensor, n_keep: int) -> torch.Tensor:
+    """The n_keep largest entries of key [B, H, N] per (batch, head), as sorted indices [B, H, n_keep]."""
+    n_keep = min(n_keep, key.shape[-1])
+    return key.topk(n_keep, dim=-1).indices.sort(dim=-1).values
+
+
+def recent_mask(held: int, n_recent: int, like: torch.Tensor) -> torch.Tensor:
+    """[B, H, held] True on the newest n_recent held tokens (held tokens stay in position order)."""
+    m = torch.zeros(like.shape[:2] + (held,), dtype=torch.bool, device=like.device)
+    if n_recent > 0:
+        m[..., max(held - n_recent, 0):] = True
+    return m
+
+
+def sink_mask(valid: torch.Tensor, n_sinks: int) -> torch.Tensor:
+    """[B, H, held] True on the first n_sinks real (non-padding) tokens of each row."""
+    return valid & (valid.long().cumsum(-1) <= n_sinks)
+
+
+def gather_tokens(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """x: [B, H, N, ...], idx: [B, H, n] -> [B, H, n, ...] (a new tensor: the old storage is freed)."""
+    shape = idx.shape + x.shape[3:]
+    return x.gather(2, idx.reshape(idx.shape + (1,) * (x.dim() - 3)).expand(shape))
+
+
+# -- eviction ----------------------------------------------------------------------------------
+def compact(
+    layer, state, priority: torch.Tensor, forced: torch.Tensor, valid: torch.Tensor, n_keep: int
+) -> None:
+    """Keep about n_keep held tokens per kv head of `layer` (all forced ones), free the rest.
+
+    priority, forced, valid: [B, H, held] in held order (sinks | body | tail).
+    """
+    key = keep_key(priority, forced, valid)
+    n_keep = max(n_keep, int((forced & valid).sum(-1).max()))
+    if not layer.compressed:
+        if n_keep >= layer.held_tokens:
+            return
+        idx = top_indices(key, n_keep)  # [B, H, n_keep]
+        held = layer.held_tokens
+        layer.tail_k, layer.tail_v = gather_tokens(layer.tail_k, idx), gather_tokens(layer.tail_v, idx)
+        state.gather(idx, held)
+        return
+    _compact_pages(layer, state, key, n_keep)
+
+
+def _compact_pages(layer, state, key: torch.Tensor, n_keep: int) -> None:
+    """Quantized layer: drop whole body pages (lowest summed priority first); sinks and tail stay."""
+    n_sink, n_body, n_tail = layer.sink_k.shape[2], layer.key_store.n_tokens, layer.tail_k.shape[2]
+    page = layer.key_store.page_size
+    n_pages = n_body // page
+    if n_pages == 0:
+        return
+    body = key[..., n_sink:n_sink + n_body].reshape(key.shape[:2] + (n_pages, page))  # [B, H, pages, P]
+    finite = body.masked_fill(~torch.isfinite(body), 0.0).sum(-1)
+    page_key = torch.where((body == float("inf")).any(-1), float("inf"), finite)
+    page_key = page_key.masked_fill((body == float("-inf")).all(-1), float("-inf"))
+    forced_pages = int((page_key == float("inf")).sum(-1).max())
+    keep_pages = min(n_pages, max(forced_pages, (n_keep - n_sink - n_tail) // page, 0))
+    if keep_pages == n_pages:
+        return
+    pages = top_indices(page_key, keep_pages)  # [B, H, keep_pages]
+    for store in (layer.key_store, layer.value_store):
+        _gather_pages(store, pages)
+    body_idx = (pages[..., None] * page + torch.arange(page, device=pages.device)).flatten(2) + n_sink
+    b, h = key.shape[:2]
+    arange = lambda lo, hi: torch.arange(lo, hi, device=key.device).expand(b, h, hi - lo)  # noqa: E731
+    kept = torch.cat([arange(0, n_sink), body_idx, arange(n_sink + n_body, n_sink + n_body + n_tail)], -1)
+    state.gather(kept, n_sink + n_body + n_tail)
+
+
+def _gather_pages(store, pages: torch.Tensor) -> None:
+    """Keep pages [B, H, n] (sorted) of a PagedStore; TOKEN and PAGE fields are gathered as they are."""
+    page = store.page_size
+    for name, t in store.data.items():
+        if store.kinds[name][0] == FieldKind.TOKEN:
+            paged = t.reshape(t.shape[:2] + (t.shape[2] // page, page) + t.shape[3:])
+            kept = gather_tokens(paged, pages)
+            store.data[name] = kept.reshape(kept.shape[:2] + (-1,) + t.shape[3:])
+        elif store.kinds[name][0] == FieldKind.PAGE:
+            store.data[name] = gather_tokens(t, pages)
+    store.n_tokens = pages.shape[-1] * page
+    if store.n_tokens == 0:
+        store.data = {}

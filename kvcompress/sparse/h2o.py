@@ -1,0 +1,52 @@
+"""H2O: heavy hitters + a recent window (Zhang et al. 2023, arXiv:2306.14048).
+
+Each held token accumulates the attention it receives (summed over its GQA group's query heads, per
+kv head). The layer keeps the newest `recent` tokens plus the highest-scoring others, within the
+budget, and evicts during decoding as well as after prefill: after prefill it compacts to the budget;
+while decoding it lets the layer grow by up to `page_size` tokens, then compacts again, so memory
+held stays bounded however many tokens are generated (evicted slots are freed, not masked).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvcompress.config import ConfigError, SparsitySpec
+from kvcompress.sparse.base import SparsePolicy, compact, recent_mask
+
+
+@dataclass
+class H2OPolicy(SparsePolicy):
+    """recent: tokens of the recent window (0: half of the budget, "half heavy, half recent")."""
+
+    recent: int = 0
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.recent < 0 or (self.budget and self.recent > self.budget):
+            raise ConfigError(
+                f"H2O recent window must be in [0, budget]; got {self.recent} for budget {self.budget}"
+            )
+
+    @classmethod
+    def from_spec(cls, spec: SparsitySpec) -> "H2OPolicy":
+        return cls(budget=spec.budget, ratio=spec.ratio, page_size=spec.page_size, recent=spec.recent)
+
+    def recent_window(self, budget: int) -> int:
+        return min(self.recent, budget) if self.recent else budget // 2
+
+    def mass_queries(self, q_len: int) -> int:
+        return q_len
+
+    def after_attention(self, layer, state, mass, valid):
+        held, q = valid.shape[-1], state.step.q_len
+        old = state.scores if state.scores is not None else mass.new_zeros(mass.shape[:2] + (held - q,))
+        state.scores = torch.cat([old, old.new_zeros(old.shape[:2] + (q,))], dim=2) + mass.float()
+        budget = self.token_budget(layer.cumulative_length)
+        slack = 0 if q > 1 else (self.page_size if not layer.compressed else layer.key_store.page_size)
+        if held <= budget + slack:
+            return
+        forced = recent_mask(held, self.recent_window(budget), valid)
+        compact(layer, state, state.scores, forced, valid, budget)

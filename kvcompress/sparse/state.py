@@ -1,0 +1,164 @@
+"""Per-layer sparsity state beside a CompressedLayer, and the hand-off from `cache.update` to attention.
+
+The model calls `cache.update(k, v, layer_idx)` and then the attention function. `on_update` records
+what this step's attention needs (the held K/V the update returned, the query length) and marks the
+layer as the one the next attention call serves; the `kvcompress` attention (kvcompress.integration)
+picks it up, computes attention over what the layer keeps and calls the policy. A sparse layer
+updated twice without that attention in between means the model runs another attention
+implementation: that raises an error naming `kvcompress.enable(model)`.
+
+Held tokens stay in position order. `pos` [B, H, held] is each held token's position (None while
+nothing was evicted: then the positions are 0..held-1); `scores` [B, H, held] is H2O's accumulated
+attention; Quest's page summaries are `page_min` / `page_max` [B, H, pages, D] in float32, computed
+from the full-precision keys as each page of `page_size` tokens completes.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from kvcompress.config import ConfigError
+from kvcompress.sparse.base import SparsePolicy, gather_tokens
+
+_local = threading.local()
+
+
+@dataclass
+class StepInputs:
+    """What one attention call over a sparse layer reads.
+
+    keys/values: [B, H, held, D]; mask: [B, H, q, held] (True = attend).
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    q_len: int
+    mask: torch.Tensor | None = None
+    index: torch.Tensor | None = None  # [B, H, n] held tokens read (Quest), None = all
+    mass_queries: int = 0  # newest queries whose attention is summed per token (0: no mass)
+
+
+class SparseState:
+    def __init__(self, policy: SparsePolicy, layer_idx: int):
+        self.policy = policy
+        self.layer_idx = layer_idx
+        self.reset()
+
+    def reset(self) -> None:
+        self.pos: torch.Tensor | None = None
+        self.scores: torch.Tensor | None = None
+        self.page_min: torch.Tensor | None = None
+        self.page_max: torch.Tensor | None = None
+        self.pending_keys: torch.Tensor | None = None
+        self.step: StepInputs | None = None
+        self.tokens_read = 0
+
+    # -- the hand-off --------------------------------------------------------------------------
+    def on_update(self, layer, new_keys: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """new_keys: [B, H, q, D] full precision; keys/values: [B, H, held, D] what update returns."""
+        waiting = getattr(_local, "pending", None)
+        if waiting is not None:
+            _local.pending = None
+            raise ConfigError(
+                f"layer {waiting.layer_idx} uses the sparsity policy {type(waiting.sparse.policy).__name__}, "
+                "which needs the query and attention weights of the kvcompress attention, but the model ran "
+                "another attention implementation. Call `kvcompress.enable(model)` first (or run inside "
+                "`with kvcompress.enabled(model): ...`)."
+            )
+        q = new_keys.shape[2]
+        if self.pos is not None:
+            seen = layer.cumulative_length
+            new_pos = torch.arange(seen - q, seen, device=self.pos.device).expand(*self.pos.shape[:2], q)
+            self.pos = torch.cat([self.pos, new_pos], dim=2)
+        if self.policy.keeps_page_summaries:
+            self._summarize(new_keys)
+        self.step = StepInputs(keys=keys, values=values, q_len=q)
+        _local.pending = layer
+
+    def positions(self, held: int, like: torch.Tensor) -> torch.Tensor:
+        """[B, H, held] positions of the held tokens."""
+        if self.pos is not None:
+            return self.pos
+        return torch.arange(held, device=like.device).expand(*like.shape[:2], held)
+
+    def gather(self, idx: torch.Tensor, held: int) -> None:
+        """Of `held` tokens the layer kept idx [B, H, n] (sorted): keep their positions and scores."""
+        self.pos = self.positions(held, idx).gather(2, idx)
+        if self.scores is not None:
+            self.scores = self.scores.gather(2, idx)
+
+    # -- Quest page summaries -----------------------------------------------------------------
+    def _summarize(self, new_keys: torch.Tensor) -> None:
+        """Append min/max summaries of each page that completes; keep the partial page's keys."""
+        p = self.policy.page_size
+        k = new_keys.float()
+        if self.pending_keys is not None:
+            k = torch.cat([self.pending_keys, k], 2)
+        n = (k.shape[2] // p) * p
+        if n:
+            pages = k[:, :, :n].reshape(*k.shape[:2], n // p, p, k.shape[3])  # [B, H, n_pages, P, D]
+            mn, mx = pages.amin(3), pages.amax(3)
+            self.page_min = mn if self.page_min is None else torch.cat([self.page_min, mn], 2)
+            self.page_max = mx if self.page_max is None else torch.cat([self.page_max, mx], 2)
+        self.pending_keys = k[:, :, n:].clone()
+
+    # -- batch edits and accounting ----------------------------------------------------------
+    def map_batch(self, fn) -> None:
+        for name in ("pos", "scores", "page_min", "page_max", "pending_keys"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, fn(t))
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Tensors held beside the K/V (positions, scores, page summaries): metadata for the memory report."""
+        names = ("pos", "scores", "page_min", "page_max", "pending_keys")
+        return [getattr(self, n) for n in names if getattr(self, n) is not None]
+
+
+def take_pending(key: torch.Tensor):
+    """The layer whose update returned `key` and awaits its attention (clears the mark), or None."""
+    layer = getattr(_local, "pending", None)
+    if layer is None or layer.sparse.step is None or layer.sparse.step.keys is not key:
+        return None
+    _local.pending = None
+    return layer
+
+
+def clear_pending() -> None:
+    _local.pending = None
+
+
+def attach_sparsity(cache) -> None:
+    """Give each CompressedLayer whose policy has sparsity (past its `dense_layers`) a SparseState."""
+    from kvcompress.sparse import make_policy
+
+    for layer in cache.layers:
+        spec = getattr(getattr(layer, "policy", None), "sparsity", None)
+        if spec is None:
+            continue
+        policy = make_policy(spec, layer.layer_idx)
+        layer.sparse = SparseState(policy, layer.layer_idx) if policy is not None else None
+
+
+def gather_step(step: StepInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The K [B, H, n, Dk], V [B, H, n, Dv] and mask [B, H, q, n] this step reads."""
+    if step.index is None:
+        return step.keys, step.values, step.mask
+    idx = step.index
+    mask = step.mask.gather(3, idx[:, :, None, :].expand(-1, -1, step.mask.shape[2], -1))
+    return gather_tokens(step.keys, idx), gather_tokens(step.values, idx), mask
+
+
+def tokens_read(cache) -> float:
+    """Tokens per kv head the last step read, averaged over the layers holding any (Quest reads a subset)."""
+    counts = []
+    for layer in cache.layers:
+        held = getattr(layer, "held_tokens", 0)
+        if not held:
+            continue
+        sparse = getattr(layer, "sparse", None)
+        counts.append(sparse.tokens_read if sparse is not None and sparse.tokens_read else held)
+    return sum(counts) / len(counts) if counts else 0.0

@@ -1,0 +1,185 @@
+"""Calibration: statistics from SmolLM2, fitted codebooks, the budget allocation, the saved config."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+
+from kvcompress import CompressedCache, ConfigError, KVCompressConfig, ModelLayout
+from kvcompress.calib.allocate import Option, allocate
+from kvcompress.calib.bits import config_bits_per_element
+from kvcompress.calib.calibrate import CalibrationSettings, calibrate, target_bits_for
+from kvcompress.calib.collect import calibration_windows
+from kvcompress.calib.sensitivity import causal_attention, relative_error, stored
+from kvcompress.compat import with_cache
+
+TEXT_SAMPLES = dict(samples=2, seq_len=160, batch_size=2, sample_tokens=1024)
+
+
+@pytest.fixture(scope="module")
+def calib_text():
+    import importlib.resources
+
+    return (importlib.resources.files("kvcompress") / "data" / "calib.txt").read_text()[:6000]
+
+
+@pytest.fixture(scope="module")
+def nuq4_config(smollm2, calib_text, tmp_path_factory):
+    model, tok = smollm2
+    settings = CalibrationSettings(preset="nuq4", weighting="none", **TEXT_SAMPLES)
+    cfg = calibrate(model, tok, calib_text, settings, progress=False)
+    path = tmp_path_factory.mktemp("calib") / "smollm2-nuq4.safetensors"
+    cfg.save(path)
+    return cfg, path
+
+
+@pytest.fixture(scope="module")
+def mixed_config(smollm2, calib_text):
+    model, tok = smollm2
+    settings = CalibrationSettings(target_bits=3.5, context=4096, **TEXT_SAMPLES)
+    return calibrate(model, tok, calib_text, settings, progress=False)
+
+
+def test_calibrated_file_loads_with_the_model_fingerprint(smollm2, nuq4_config):
+    model, _ = smollm2
+    cfg, path = nuq4_config
+    loaded = KVCompressConfig.load(path)
+    assert loaded == cfg
+    assert loaded.layout == ModelLayout.from_model_config(model.config)
+    assert len(loaded.layers) == 30
+    layer = loaded.layers[7]
+    assert layer.key.method == "nuq" and layer.key.bits == 4
+    assert layer.tensors["key.codebook"].shape == (3, 16)  # one codebook per kv head
+    assert layer.tensors["key.channel_mean"].shape == (3, 64)
+    assert layer.tensors["key.fp8_scale"].shape == (3,) and layer.tensors["value.fp8_scale"].shape == (3,)
+    assert loaded.notes["calibration"]["preset"] == "nuq4"
+
+
+def test_compressed_cache_from_calibrated_file_generates(smollm2, nuq4_config, calib_text):
+    model, tok = smollm2
+    _, path = nuq4_config
+    ids = tok(calib_text[-600:], return_tensors="pt").input_ids[:, :100]  # > sinks + one page: pages are coded
+    cache = CompressedCache(model.config, str(path))
+    out = model.generate(ids, **with_cache(cache), max_new_tokens=6, do_sample=False)
+    assert out.shape[1] == ids.shape[1] + 6
+    assert cache.layers[0].key_store.n_pages >= 1
+    assert cache.memory_report()["bits_per_element"] < 16
+
+
+def test_fitted_codebooks_code_their_calibration_tokens_better_than_gaussian_levels(smollm2, nuq4_config, calib_text):
+    """The codebooks are fitted in the codec's own normalisation: pushed through the real NuqCodec, the
+    calibration window's keys and values come back closer (in dB) than with the Gaussian Lloyd-Max levels."""
+    from dataclasses import replace
+
+    from kvcompress.calib.collect import CollectSettings, collect
+    from kvcompress.quant.codebook import gaussian_lloyd_max
+
+    model, tok = smollm2
+    cfg, _ = nuq4_config
+    ids = tok(calib_text, add_special_tokens=False)["input_ids"]
+    window = calibration_windows(ids, TEXT_SAMPLES["samples"], TEXT_SAMPLES["seq_len"])[:1]
+    stats = collect(model, window, CollectSettings(samples=1, seq_len=window.shape[1], batch_size=1,
+                                                   sample_tokens=16, weighting="none"), progress=False)
+    for i in (1, 15, 28):
+        layer = cfg.layers[i]
+        gauss = dict(layer.tensors, **{f"{s}.codebook": gaussian_lloyd_max(4) for s in ("key", "value")})
+        k, v = stats[i].probe_k, stats[i].probe_v
+        def sqnr(policy):
+            k_hat, v_hat = stored(policy, k, v)
+            return [10 * torch.log10(x.pow(2).sum() / (x - y).pow(2).sum()) for x, y in ((k, k_hat), (v, v_hat))]
+        fitted, oblivious = sqnr(layer), sqnr(replace(layer, tensors=gauss))
+        assert fitted[0] > oblivious[0] and fitted[1] > oblivious[1], (i, fitted, oblivious)
+
+
+def test_config_from_one_model_is_refused_for_another(nuq4_config, tiny_model):
+    cfg, path = nuq4_config
+    other = tiny_model("llama")
+    with pytest.raises(ConfigError, match="different model"):
+        CompressedCache(other.config, str(path))
+
+
+def test_empty_or_too_short_text_is_a_clear_error(smollm2):
+    model, tok = smollm2
+    with pytest.raises(ConfigError, match="empty"):
+        calibrate(model, tok, "  \n", CalibrationSettings(**TEXT_SAMPLES), progress=False)
+    with pytest.raises(ConfigError, match="fewer than one window"):
+        calibrate(model, tok, "Too short to calibrate.", CalibrationSettings(**TEXT_SAMPLES), progress=False)
+
+
+def test_windows_cover_the_text_evenly():
+    w = calibration_windows(list(range(1000)), samples=4, seq_len=100)
+    assert w.shape == (4, 100)
+    assert w[0, 0] == 0 and w[-1, -1] == 999  # first and last tokens used
+    assert torch.equal(w[1], torch.arange(300, 400))
+
+
+def test_mixed_precision_meets_its_bit_budget_exactly_as_stated(smollm2, mixed_config):
+    """The allocation's own accounting, the codec-based accounting and the bytes a real cache holds after
+    4 sinks + 63 pages of tokens all agree, and none exceeds the 3.5-bit target."""
+    model, _ = smollm2
+    cfg = mixed_config
+    alloc = cfg.notes["allocation"]
+    assert alloc["achieved_bits"] <= 3.5
+    assert alloc["achieved_bits"] > 3.3  # the budget is used, not wasted
+    choices = {c for pair in alloc["choices"].values() for c in pair}
+    assert len(choices) >= 2, "a mixed config mixes"
+    assert config_bits_per_element(cfg.layers, cfg.layout, 4096, 1, torch.float32) == pytest.approx(
+        alloc["achieved_bits"], rel=1e-12)
+    cache = CompressedCache(model.config, cfg)
+    gen = torch.Generator().manual_seed(0)
+    for layer in cache.layers:  # fill every layer with 4096 tokens directly: what matters here is storage
+        k = torch.randn(1, 3, 4096, 64, generator=gen)
+        layer.update(k, torch.randn(1, 3, 4096, 64, generator=gen))
+    report = cache.memory_report()
+    assert report["tokens_seen"] == 4096
+    assert report["bits_per_element"] == pytest.approx(alloc["achieved_bits"], rel=1e-9)
+
+
+def test_memory_budget_as_ratio_or_bytes():
+    layout = ModelLayout("llama", 2, 2, 64, 64, ("full_attention",) * 2)
+    ratio = CalibrationSettings(memory_budget=0.25)
+    assert target_bits_for(ratio, layout, torch.bfloat16) == 4.0
+    elements = 2 * 4096 * 2 * 128
+    by_bytes = CalibrationSettings(memory_budget=elements * 3 / 8, context=4096)
+    assert target_bits_for(by_bytes, layout, torch.bfloat16) == pytest.approx(3.0)
+    with pytest.raises(ConfigError, match="not both"):
+        CalibrationSettings(target_bits=3.0, memory_budget=0.5)
+
+
+def test_allocation_is_optimal_and_within_budget():
+    """Costs on the DP's grid: the knapsack is exact, so it must match brute force; off the grid it must
+    still never exceed the budget."""
+    rnd = random.Random(0)
+    budget, resolution = 4000.0, 4000
+    items = [[Option(f"o{j}", float(rnd.randint(100, 900)), rnd.random()) for j in range(4)] for _ in range(5)]
+    best = min(
+        (sum(o.loss for o in combo), combo) for combo in itertools.product(*items)
+        if sum(o.cost for o in combo) <= budget
+    )
+    got = allocate(items, budget, resolution)
+    assert got.cost <= budget
+    assert got.loss == pytest.approx(best[0], abs=1e-12)
+    for trial in range(20):
+        items = [[Option(f"o{j}", rnd.uniform(10, 100), rnd.random()) for j in range(4)] for _ in range(30)]
+        budget = sum(min(o.cost for o in opts) for opts in items) * rnd.uniform(1.0, 2.5)
+        assert allocate(items, budget).cost <= budget
+
+
+def test_allocation_refuses_an_impossible_budget():
+    with pytest.raises(ConfigError, match="budget"):
+        allocate([[Option("a", 10.0, 0.0)], [Option("b", 10.0, 0.0)]], 15.0)
+
+
+def test_inspect_shows_policy_fingerprint_and_version(nuq4_config):
+    from click.testing import CliRunner
+
+    from kvcompress.cli import main
+
+    _, path = nuq4_config
+    out = CliRunner().invoke(main, ["inspect", str(path)], env={"COLUMNS": "200"})
+    assert out.exit_code == 0, out.output
+    assert "format version 1" in out.output and "30 layers" in out.output and "3 kv heads" in out.output
+    assert "nuq4/channel" in out.output and "calibrated on" in out.output

@@ -1,0 +1,83 @@
+"""`kvcompress estimate`: KV memory against 2 x tokens x layers x kv heads x head dim x bytes, done right for
+GQA, sliding-window layers and MLA latents."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from kvcompress import KVCompressConfig, ModelLayout
+from kvcompress.calib.estimate import estimate_memory
+
+CTX, BATCH = 128 * 1024, 8
+
+
+def _write(tmp_path, config) -> str:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config.to_dict()))
+    return str(path)
+
+
+def test_llama_gqa_matches_the_formula(tmp_path):
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8)
+    r = estimate_memory(ModelLayout.from_model_config(cfg), None, CTX, BATCH, torch.bfloat16)
+    assert r["uncompressed_bytes"] == 2 * CTX * BATCH * 32 * 8 * 128 * 2  # 128 GiB, per kv head (not 32 heads)
+    assert r["uncompressed_bytes"] == 128 * 1024**3
+
+
+def test_sliding_window_layers_are_bounded_by_the_window():
+    from transformers import Gemma3TextConfig
+
+    types = ["sliding_attention"] * 5 + ["full_attention"]
+    cfg = Gemma3TextConfig(num_hidden_layers=6, num_key_value_heads=4, head_dim=256, sliding_window=1024,
+                           layer_types=types)
+    r = estimate_memory(ModelLayout.from_model_config(cfg), None, CTX, BATCH, torch.bfloat16)
+    per_token = 2 * 4 * 256 * 2 * BATCH
+    assert [row["tokens_held"] for row in r["layers"]] == [1024] * 5 + [CTX]
+    assert r["uncompressed_bytes"] == per_token * (5 * 1024 + CTX)
+
+
+def test_deepseek_v3_mla_latent(tmp_path):
+    from transformers import DeepseekV3Config
+
+    cfg = DeepseekV3Config()  # 61 layers, kv_lora_rank 512, qk_rope 64, 128 heads, qk_nope 128, v_head_dim 128
+    layout = ModelLayout.from_model_config(cfg)
+    r = estimate_memory(layout, None, CTX, BATCH, torch.bfloat16)
+    assert r["mla"]["decompressed_values_per_token_per_layer"] == 128 * (128 + 64 + 128) == 40960
+    assert r["mla"]["latent_values_per_token_per_layer"] == 512 + 64 == 576
+    assert r["uncompressed_bytes"] == CTX * BATCH * 61 * 576 * 2
+    assert r["mla"]["decompressed_bytes"] == CTX * BATCH * 61 * 40960 * 2
+    out = CliRunner().invoke(_main(), ["estimate", _write(tmp_path, cfg), "--context", "128k", "--batch", "8"])
+    assert out.exit_code == 0, out.output
+    assert "40,960" in out.output and "576" in out.output
+
+
+def test_preset_bits_come_from_the_codecs():
+    layout = ModelLayout("llama", 4, 2, 64, 64, ("full_attention",) * 4)
+    r = estimate_memory(layout, KVCompressConfig.from_preset("fp8", layout), 4096, 2, torch.bfloat16)
+    assert r["bits_per_element"] == pytest.approx(8 + 16 / 64)  # fp8 codes + one fp16 scale per token and head
+    r = estimate_memory(layout, KVCompressConfig.from_preset("nuq4", layout), 4 + 64 * 100, 1, torch.bfloat16)
+    # codes 4 bits, value scales 16/64, 41 outliers of 32 bits per 64x64 page, 4 bf16 sinks, ROW stats
+    assert 4.4 < r["bits_per_element"] < 4.6
+
+
+def test_cli_json_with_config_file(tmp_path):
+    layout = ModelLayout("llama", 2, 2, 64, 64, ("full_attention",) * 2)
+    path = tmp_path / "c.safetensors"
+    KVCompressConfig.from_preset("int4", layout).save(path)
+    out = CliRunner().invoke(_main(), ["estimate", "--config", str(path), "--context", "32k", "--json"])
+    assert out.exit_code == 0, out.output
+    doc = json.loads(out.output)
+    assert doc["context"] == 32768 and doc["uncompressed_bytes"] == 2 * 32768 * 2 * 2 * 64 * 2
+    assert doc["compressed_bytes"] < doc["uncompressed_bytes"] / 3
+
+
+def _main():
+    from kvcompress.cli import main
+
+    return main

@@ -1,0 +1,122 @@
+"""memory_report() tells the truth: `held_bytes` is what the cache's tensors really occupy, found here by
+walking every tensor the layers hold (their storages, as the allocator sees them, including views that pin
+a bigger buffer), and `uncompressed_bytes` is what a DynamicCache holds for the same tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_tiny_model
+from transformers import DynamicCache
+
+from kvcompress import CompressedCache
+from kvcompress.cache import CompressedLayer
+from kvcompress.compat import with_cache
+
+# transformers' sliding layer keeps its window length as a 0-d tensor: bookkeeping, not cached K/V
+NOT_KV = {"_sliding_window_tensor"}
+
+
+def _tensors_in(obj, seen_objects):
+    """Every tensor reachable from obj's attributes, dicts, lists and tuples (codecs and stores included)."""
+    if id(obj) in seen_objects:
+        return
+    seen_objects.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors_in(v, seen_objects)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors_in(v, seen_objects)
+    elif hasattr(obj, "__dict__") and not isinstance(obj, type) and type(obj).__module__.startswith(
+        ("kvcompress", "transformers.cache_utils")
+    ):
+        for name, v in vars(obj).items():
+            if name not in NOT_KV and name != "policy":  # the policy's tensors are config, copied into codecs
+                yield from _tensors_in(v, seen_objects)
+
+
+def walked_bytes(layer) -> int:
+    """Bytes of the distinct storages behind every tensor the layer holds."""
+    storages = {}
+    for t in _tensors_in(layer, set()):
+        s = t.untyped_storage()
+        storages[(s.data_ptr(), str(t.device))] = s.nbytes()
+    return sum(storages.values())
+
+
+def dynamic_bytes(cache: DynamicCache) -> int:
+    """What a DynamicCache holds: its keys and values tensors."""
+    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers if layer.is_initialized)
+
+
+def run(model, cache, prefill: int, decode_steps: int):
+    torch.manual_seed(0)
+    ids = torch.randint(3, model.config.vocab_size, (2, prefill))
+    with torch.no_grad():
+        model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=decode_steps + 1,
+            min_new_tokens=decode_steps + 1,
+            **with_cache(cache),
+        )
+
+
+def check_report(cache: CompressedCache, reference: DynamicCache) -> dict:
+    rep = cache.memory_report()
+    per_layer = [walked_bytes(layer) for layer in cache.layers]
+    for i, (m, walked) in enumerate(zip(rep["layers"], per_layer)):
+        assert m["held_bytes"] == walked, f"layer {i}: report says {m['held_bytes']} B, its tensors hold {walked} B"
+    assert rep["held_bytes"] == sum(per_layer)
+    assert rep["held_bytes"] == rep["payload_bytes"] + rep["metadata_bytes"] + rep["window_bytes"]
+    assert rep["uncompressed_bytes"] == dynamic_bytes(reference)
+    assert rep["compression_ratio"] == pytest.approx(rep["uncompressed_bytes"] / rep["held_bytes"])
+    return rep
+
+
+@pytest.mark.compat
+def test_none_holds_exactly_what_dynamic_cache_holds():
+    model = make_tiny_model("llama")
+    cache, reference = CompressedCache(model.config, "none"), DynamicCache(config=model.config)
+    run(model, cache, prefill=40, decode_steps=3)
+    run(model, reference, prefill=40, decode_steps=3)
+    rep = check_report(cache, reference)
+    # nothing pinned besides the K/V themselves (e.g. no view keeping the prefill's states alive)
+    assert rep["held_bytes"] == rep["uncompressed_bytes"] == dynamic_bytes(reference)
+    assert rep["tokens_held"] == rep["tokens_seen"] == 43
+
+
+@pytest.mark.parametrize("preset", ["int4", "nuq4", "fp8", "k8v4"])
+def test_quantized_report_matches_held_tensors(preset):
+    """Enough tokens that whole pages are encoded (int4: 128 residual + pages of 32; nuq4: 4 sinks + 64).
+    head_dim 32: KIVI's value groups are 32 channels wide."""
+    model = make_tiny_model("llama", head_dim=32)
+    cache, reference = CompressedCache(model.config, preset), DynamicCache(config=model.config)
+    run(model, cache, prefill=170, decode_steps=2)
+    run(model, reference, prefill=170, decode_steps=2)
+    for layer in cache.layers:
+        assert isinstance(layer, CompressedLayer) and layer.key_store.n_pages > 0, "pages must be encoded"
+    rep = check_report(cache, reference)
+    assert rep["held_bytes"] < rep["uncompressed_bytes"]
+    assert rep["payload_bytes"] > 0 and rep["metadata_bytes"] > 0
+
+
+def test_sliding_and_full_layers():
+    """Gemma3: sliding layers stay exact and bounded; the full layers compress."""
+    model = make_tiny_model("gemma3")
+    cache, reference = CompressedCache(model.config, "nuq4"), DynamicCache(config=model.config)
+    run(model, cache, prefill=80, decode_steps=2)
+    run(model, reference, prefill=80, decode_steps=2)
+    rep = cache.memory_report()
+    per_layer = [walked_bytes(layer) for layer in cache.layers]
+    assert [m["held_bytes"] for m in rep["layers"]] == per_layer
+    assert rep["uncompressed_bytes"] == dynamic_bytes(reference)
+    for i, layer in enumerate(cache.layers):
+        if cache.layout.is_sliding(i):
+            assert rep["layers"][i]["tokens_held"] == model.config.sliding_window - 1
+        else:
+            assert layer.key_store.n_pages > 0

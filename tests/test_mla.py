@@ -1,0 +1,293 @@
+"""Absorbed MLA attention for DeepSeek-V3 (kvcompress.layout.mla_attention), the MLA presets, and the
+fused MLA decode kernel against its torch twin (under TRITON_INTERPRET=1 on CPU)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from kvcompress import CompressedCache, KVCompressConfig, ModelLayout
+from kvcompress.compat import with_cache
+from kvcompress.kernels.mla_decode import (
+    MlaLatent,
+    dequantize_latent,
+    merge_partials,
+    mla_decode_torch,
+)
+from kvcompress.layout.mla_attention import is_mla, patch_mla
+from kvcompress.quant.codebook import gaussian_lloyd_max, nearest_level
+from kvcompress.quant.pack import pack
+
+from conftest import make_tiny_model
+
+DECODE_STEPS = 32
+MLA_DIMS = dict(kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models run fastest single-threaded (no thread start-up per op on a shared 2-core CI box)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def deepseek():
+    """Tiny DeepSeek-V3: hidden 64, 4 heads, latent 32 + 16, one dense and one (tiny) MoE layer, fp32."""
+    return make_tiny_model("deepseek_v3", **MLA_DIMS)
+
+
+@pytest.fixture(scope="module")
+def padded_batch():
+    """Two prompts of 7 and 12 tokens, left padded to 12."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 256, (2, 12), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    ids[0, :5] = 0
+    return ids, mask
+
+
+def _greedy(model, ids, mask, cache, steps=DECODE_STEPS):
+    """Prefill then `steps` greedy decode steps; returns the logits of every step [steps+1, B, V] and tokens."""
+    logits, tokens = [], []
+    out = model(ids, attention_mask=mask, **with_cache(cache))
+    for _ in range(steps):
+        step = out.logits[:, -1]
+        logits.append(step)
+        nxt = step.argmax(-1, keepdim=True)
+        tokens.append(nxt)
+        mask = torch.cat([mask, torch.ones_like(nxt)], 1)
+        out = model(nxt, attention_mask=mask, **with_cache(cache))
+    logits.append(out.logits[:, -1])
+    return torch.stack(logits), torch.cat(tokens, 1), out
+
+
+def _rel_err(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+@torch.no_grad()
+def test_absorbed_matches_stock_prefill_and_decode(deepseek, padded_batch):
+    """fp32, batch 2 with left padding, prefill + 32 decode steps: logits within 1e-4 relative, same tokens."""
+    ids, mask = padded_batch
+    stock_logits, stock_tokens, _ = _greedy(deepseek, ids, mask, DynamicCache(config=deepseek.config))
+    stock_prefill = deepseek(ids, attention_mask=mask).logits
+    undo = patch_mla(deepseek)
+    try:
+        logits, tokens, _ = _greedy(deepseek, ids, mask, DynamicCache(config=deepseek.config))
+        prefill = deepseek(ids, attention_mask=mask).logits
+    finally:
+        undo()
+    valid = mask.bool()
+    assert _rel_err(prefill[valid], stock_prefill[valid]) <= 1e-4
+    assert _rel_err(logits, stock_logits) <= 1e-4
+    assert torch.equal(tokens, stock_tokens)
+
+
+@torch.no_grad()
+def test_eager_mask_and_compressed_cache(padded_batch):
+    """Eager (float additive mask) and an uncompressed CompressedCache give the stock results too."""
+    model = make_tiny_model("deepseek_v3", attn_implementation="eager", **MLA_DIMS)
+    ids, mask = padded_batch
+    stock_logits, stock_tokens, _ = _greedy(model, ids, mask, DynamicCache(config=model.config), steps=8)
+    undo = patch_mla(model)
+    try:
+        logits, tokens, _ = _greedy(model, ids, mask, CompressedCache(model.config, "none"), steps=8)
+    finally:
+        undo()
+    assert _rel_err(logits, stock_logits) <= 1e-4
+    assert torch.equal(tokens, stock_tokens)
+
+
+@torch.no_grad()
+def test_kv_b_proj_never_sees_cached_tokens(deepseek, padded_batch):
+    """Absorbed: kv_b_proj's forward is never called (its weights are folded into query and output);
+    stock: it is called on the whole cached latent every step (the hook sees T tokens)."""
+    ids, mask = padded_batch
+    seen = []
+    hooks = [
+        layer.self_attn.kv_b_proj.register_forward_hook(lambda m, a, o: seen.append(a[0].shape[-2]))
+        for layer in deepseek.model.layers
+    ]
+    try:
+        _greedy(deepseek, ids, mask, DynamicCache(config=deepseek.config), steps=2)
+        assert max(seen) == ids.shape[1] + 2  # stock re-expands the cache
+        seen.clear()
+        undo = patch_mla(deepseek)
+        try:
+            _greedy(deepseek, ids, mask, DynamicCache(config=deepseek.config), steps=4)
+        finally:
+            undo()
+        assert seen == []
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def test_undo_restores_stock_forwards():
+    """undo() puts back exactly what was there (no instance attribute, or a user's own), class untouched."""
+    model = make_tiny_model("deepseek_v3", **MLA_DIMS)
+    other = make_tiny_model("deepseek_v3", **MLA_DIMS)
+    attns = [layer.self_attn for layer in model.model.layers]
+    cls_forward = type(attns[0]).forward
+    own = attns[1].forward  # a user's own instance-level forward must survive
+    attns[1].forward = own
+    assert is_mla(model)
+    undo = patch_mla(model)
+    assert all("forward" in a.__dict__ for a in attns)
+    assert "forward" not in other.model.layers[0].self_attn.__dict__  # scoped to this model
+    assert type(attns[0]).forward is cls_forward
+    undo()
+    assert "forward" not in attns[0].__dict__
+    assert attns[1].__dict__["forward"] is own
+    undo()  # twice is harmless
+    assert not is_mla(make_tiny_model("llama"))
+
+
+@torch.no_grad()
+def test_uncompressed_cache_holds_the_latent(deepseek, padded_batch):
+    """'none' holds kv_lora_rank + qk_rope_head_dim values per token per layer (and per batch row)."""
+    ids, mask = padded_batch
+    cache = CompressedCache(deepseek.config, "none")
+    undo = patch_mla(deepseek)
+    try:
+        deepseek(ids, attention_mask=mask, **with_cache(cache))
+    finally:
+        undo()
+    rep = cache.memory_report()
+    per_token = MLA_DIMS["kv_lora_rank"] + MLA_DIMS["qk_rope_head_dim"]
+    n_layers = deepseek.config.num_hidden_layers
+    assert rep["held_bytes"] == n_layers * ids.numel() * per_token * 4  # float32
+    assert rep["uncompressed_bytes"] == rep["held_bytes"]
+
+
+def test_nuq4_preset_on_mla_layout():
+    """nuq4 on an MLA layout: latent per-channel NUQ with outliers, k_rot in FP8; GQA nuq4 unchanged."""
+    model = make_tiny_model("deepseek_v3", **MLA_DIMS)
+    layout = ModelLayout.from_model_config(model.config)
+    assert layout.attention == "mla"
+    cfg = KVCompressConfig.from_preset("nuq4", layout)
+    lp = cfg.layers[0]
+    assert (lp.key.method, lp.key.bits, lp.key.axis, lp.key.outlier_fraction) == ("nuq", 4, "channel", 0.01)
+    assert lp.value.method == "fp8"
+    gqa = KVCompressConfig.from_preset("nuq4", make_tiny_model("llama").config).layers[0]
+    assert gqa.value.method == "nuq"
+
+
+@torch.no_grad()
+def test_nuq4_compressed_latent_runs_absorbed(deepseek, padded_batch):
+    """A nuq4 CompressedCache (a page of latent really quantized) under absorbed attention: logits
+    within 15 dB SQNR of the stock model on the exact cache."""
+    ids = torch.randint(3, 256, (2, 72), generator=torch.Generator().manual_seed(4))  # sinks + one page
+    mask = torch.ones_like(ids)
+    mask[0, :6] = 0
+    stock_logits, _, _ = _greedy(deepseek, ids, mask, DynamicCache(config=deepseek.config), steps=4)
+    undo = patch_mla(deepseek)
+    try:
+        cache = CompressedCache(deepseek.config, "nuq4")
+        logits, _, _ = _greedy(deepseek, ids, mask, cache, steps=4)
+    finally:
+        undo()
+    sqnr = 10 * torch.log10(stock_logits.pow(2).sum() / (logits - stock_logits).pow(2).sum())
+    assert sqnr > 15, f"logit SQNR {sqnr:.1f} dB"
+    assert cache.layers[0].key_store.n_tokens > 0  # pages were really quantized
+
+
+# -- kernel twins -------------------------------------------------------------------------------------
+def _packed_latent(b, t, r, dr, page, n_out, fp8_rot, seed=0):
+    """A random packed latent built by hand (4-bit codes, channel stats, outliers, fp8 k_rot)."""
+    g = torch.Generator().manual_seed(seed)
+    cb = gaussian_lloyd_max(4)
+    codes = torch.randint(0, 16, (b, t, r), generator=g)
+    mean, scale = torch.randn(b, r, generator=g) * 0.1, torch.rand(b, r, generator=g) + 0.5
+    oidx = oval = None
+    if n_out:
+        oidx = torch.stack([torch.randperm(page * r, generator=g)[:n_out].sort().values for _ in range(b * t // page)])
+        oidx = oidx.view(b, t // page, n_out).to(torch.int16)
+        oval = (torch.randn(b, t // page, n_out, generator=g) * 4).to(torch.float16)
+    k_rot = torch.randn(b, t, dr, generator=g)
+    krs = None
+    if fp8_rot:
+        krs = (k_rot.abs().amax(-1) / 448).to(torch.float16)
+        k_rot = (k_rot / krs.float()[..., None]).to(torch.float8_e4m3fn).view(torch.uint8)
+    return MlaLatent(kv=pack(codes, 4), k_rot=k_rot, latent_dim=r, page_size=page, codebook=cb,
+                     channel_mean=mean, channel_scale=scale, outlier_idx=oidx, outlier_val=oval, k_rot_scale=krs)
+
+
+def test_twin_matches_plain_attention():
+    """The torch twin (split 3 ways and merged) equals softmax attention over the dequantized latent."""
+    lat = _packed_latent(2, 128, 32, 16, 16, 5, fp8_rot=True)
+    g = torch.Generator().manual_seed(1)
+    ql, qr = torch.randn(2, 6, 32, generator=g), torch.randn(2, 6, 16, generator=g)
+    kv, kr = dequantize_latent(lat, torch.float32)
+    ref = torch.softmax((ql @ kv.transpose(1, 2) + qr @ kr.transpose(1, 2)) * 0.3, -1) @ kv
+    out = merge_partials(*mla_decode_torch(ql, qr, lat, 0.3, num_splits=3))
+    assert (out - ref).abs().max() < 1e-5
+    # outliers really are exact entries of the latent
+    p, pos = lat.outlier_idx[0, 1, 0].item() // 32, lat.outlier_idx[0, 1, 0].item() % 32
+    assert kv[0, 16 + p, pos] == lat.outlier_val[0, 1, 0].float()
+
+
+def _triton_or_skip():
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("run with TRITON_INTERPRET=1 to test the Triton kernel on CPU")
+    pytest.importorskip("triton", reason="Triton is not installed (pip install triton)")
+    from kvcompress.kernels.mla_decode import mla_decode_triton
+
+    return mla_decode_triton
+
+
+@pytest.mark.parametrize(
+    "packed,n_out,fp8_rot,heads,t,splits",
+    [(True, 5, True, 6, 64, 2), (True, 0, False, 16, 48, 1), (False, 0, False, 20, 40, 3)],
+)
+def test_triton_kernel_matches_twin(packed, n_out, fp8_rot, heads, t, splits):
+    """Kernel vs twin on small awkward shapes: heads not a multiple of the block, a ragged last tile
+    (dense), empty splits, outliers, fp8 k_rot. fp32 queries: both sides see the same dequantized tile."""
+    mla_decode_triton = _triton_or_skip()
+    page = 16
+    if packed:
+        lat = _packed_latent(2, t, 32, 16, page, n_out, fp8_rot)
+    else:
+        g = torch.Generator().manual_seed(2)
+        lat = MlaLatent(kv=torch.randn(2, t, 32, generator=g), k_rot=torch.randn(2, t, 16, generator=g),
+                        latent_dim=32, page_size=page)
+    g = torch.Generator().manual_seed(3)
+    ql, qr = torch.randn(2, heads, 32, generator=g), torch.randn(2, heads, 16, generator=g)
+    ref_out, ref_lse = mla_decode_torch(ql, qr, lat, 0.25, num_splits=splits)
+    out, lse = mla_decode_triton(ql, qr, lat, 0.25, num_splits=splits, block_h=16, outlier_chunk=4)
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(finite, torch.isfinite(lse))
+    assert (lse[finite] - ref_lse[finite]).abs().max() < 1e-3
+    merged, ref = merge_partials(out, lse), merge_partials(ref_out, ref_lse)
+    assert _rel_err(merged, ref) < 1e-3  # tf32-free fp32 dots in the interpreter; 1e-3 covers exp2 vs exp
+
+
+@torch.no_grad()
+def test_deepseek_v2_absorbed_matches_stock():
+    """DeepSeek-V2 attention (complex-number RoPE) absorbs the same way: prefill logits within 1e-4."""
+    import transformers
+
+    cfg = transformers.DeepseekV2Config(
+        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, n_routed_experts=4, num_experts_per_tok=2,
+        n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1, **MLA_DIMS,
+    )
+    torch.manual_seed(0)
+    model = transformers.DeepseekV2ForCausalLM(cfg).eval()
+    ids = torch.randint(3, 256, (2, 10), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    stock = model(ids, attention_mask=mask).logits
+    undo = patch_mla(model)
+    try:
+        absorbed = model(ids, attention_mask=mask).logits
+    finally:
+        undo()
+    assert _rel_err(absorbed, stock) <= 1e-4

@@ -1,0 +1,244 @@
+"""Sparsity through the kvcompress attention: H2O, StreamingLLM, SnapKV, Quest (kvcompress.sparse).
+
+What these tests prove:
+- with a budget covering the context every policy is exactly the uncompressed model (DynamicCache + sdpa);
+- H2O keeps the top tokens by accumulated attention (from eager attention weights) plus its recent window;
+- Quest's page bounds contain every key of their page and it reads the top pages by bound;
+- a padded batch of 3 gives, row by row, what each row gives alone;
+- H2O's memory stays bounded over hundreds of generated tokens, also over quantized pages, whose
+  eviction gathers packed pages exactly;
+- `enable` is scoped, and a sparse config without it raises an error naming the fix.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_tiny_model
+from transformers import DynamicCache
+
+import kvcompress
+from kvcompress import (
+    CompressedCache, ConfigError, KVCompressConfig, LayerPolicy, ModelLayout, QuantSpec, SparsitySpec,
+)
+from kvcompress.compat import with_cache
+from kvcompress.sparse.quest import page_bounds
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny tensors: one thread avoids oversubscribing a shared CPU (10x faster on 2 busy cores)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_tiny_model("llama", num_hidden_layers=3)
+
+
+def sparse_config(model, spec: SparsitySpec, **policy) -> KVCompressConfig:
+    layout = ModelLayout.from_model_config(model.config)
+    layers = [LayerPolicy(sparsity=spec, **policy) for _ in range(layout.num_layers)]
+    return KVCompressConfig(layout=layout, layers=layers)
+
+
+def greedy(model, cache, ids, steps, attention_mask=None):
+    """Prefill then greedy decode; returns per-step logits [B, steps + 1, V] and tokens [B, steps + 1]."""
+    out = model.generate(
+        ids, attention_mask=attention_mask, max_new_tokens=steps + 1, do_sample=False, output_logits=True,
+        return_dict_in_generate=True, **with_cache(cache),
+    )
+    return torch.stack(out.logits, 1), out.sequences[:, ids.shape[1]:]
+
+
+SPECS = {
+    "h2o": lambda budget: SparsitySpec("h2o", budget=budget, page_size=8),
+    "streaming": lambda budget: SparsitySpec("streaming", budget=budget, sinks=4, page_size=8),
+    "snapkv": lambda budget: SparsitySpec("snapkv", budget=budget, observation_window=8, pool_kernel=3),
+    "quest": lambda budget: SparsitySpec("quest", budget=budget, page_size=8),
+}
+
+
+@pytest.mark.parametrize("method", sorted(SPECS))
+def test_budget_covering_the_context_is_exact(model, method):
+    ids = torch.randint(3, 256, (1, 30), generator=torch.Generator().manual_seed(0))
+    ref_logits, ref_tokens = greedy(model, DynamicCache(), ids, 20)
+    with kvcompress.enabled(model):
+        cache = CompressedCache(model.config, sparse_config(model, SPECS[method](64)))
+        logits, tokens = greedy(model, cache, ids, 20)
+    assert torch.equal(tokens, ref_tokens)
+    torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=0)
+
+
+def test_h2o_keeps_top_accumulated_attention_plus_recent(model):
+    budget, recent, t = 20, 6, 48
+    ids = torch.randint(3, 256, (2, t), generator=torch.Generator().manual_seed(1))
+    model.set_attn_implementation("eager")
+    try:
+        attn = model(ids, output_attentions=True).attentions  # per layer [B, Hq, T, T]
+    finally:
+        model.set_attn_implementation("sdpa")
+    spec = SparsitySpec("h2o", budget=budget, recent=recent)
+    cache = CompressedCache(model.config, sparse_config(model, spec))
+    with kvcompress.enabled(model):
+        model(ids, **with_cache(cache))
+    groups = model.config.num_attention_heads // model.config.num_key_value_heads
+    for layer, a in zip(cache.layers, attn):
+        b, hq, _, _ = a.shape
+        score = a.sum(2).reshape(b, hq // groups, groups, t).sum(2)  # [B, H, T] summed per kv head's group
+        heavy = score[..., : t - recent].topk(budget - recent, -1).indices
+        window = torch.arange(t - recent, t).expand(b, hq // groups, recent)
+        expected = torch.cat([heavy, window], -1).sort(-1).values
+        assert torch.equal(layer.sparse.pos, expected), f"layer {layer.layer_idx} kept other tokens"
+        assert layer.held_tokens == budget
+
+
+def test_quest_bounds_contain_keys_and_top_pages_are_read(model):
+    page, t = 8, 45
+    ids = torch.randint(3, 256, (1, t), generator=torch.Generator().manual_seed(2))
+    dense = DynamicCache()
+    model(ids, **with_cache(dense))
+    spec = SparsitySpec("quest", budget=21, page_size=page)
+    cache = CompressedCache(model.config, sparse_config(model, spec))
+    with kvcompress.enabled(model):
+        model(ids, **with_cache(cache))
+    for i, layer in enumerate(cache.layers):
+        state = layer.sparse
+        keys = layer.keys  # [B, H, T, D] after RoPE, full precision (nothing evicted)
+        n_pages = t // page
+        pages = keys[:, :, : n_pages * page].reshape(1, keys.shape[1], n_pages, page, -1)
+        assert state.page_min.shape[2] == n_pages
+        assert bool((pages >= state.page_min[:, :, :, None]).all())
+        assert bool((pages <= state.page_max[:, :, :, None]).all())
+        # the bound is an upper bound of q.k for every key of the page and every query head of the group
+        gen = torch.Generator().manual_seed(i)
+        query = torch.randn(1, model.config.num_attention_heads, 1, keys.shape[-1], generator=gen)
+        group = query.reshape(1, keys.shape[1], -1, keys.shape[-1])
+        bound = page_bounds(group, state.page_min, state.page_max)  # [B, H, pages]
+        qk = torch.einsum("bhgd,bhpsd->bhgps", group, pages).amax((2, 4))
+        assert bool((qk <= bound + 1e-5).all())
+        # selection: the newest (partial) page plus the top pages by bound within the budget
+        mask = torch.ones(1, keys.shape[1], 1, t, dtype=torch.bool)
+        idx = state.policy.select(state, query, mask)
+        newest = t - n_pages * page  # 5 tokens in the partial page
+        k = (21 - newest) // page
+        top = bound.topk(k, -1).indices.sort(-1).values
+        expected = torch.cat([(top[..., None] * page + torch.arange(page)).flatten(2),
+                              torch.arange(t - newest, t).expand(1, keys.shape[1], newest)], -1)
+        assert torch.equal(idx, expected)
+
+
+@pytest.mark.parametrize("method", sorted(SPECS))
+def test_padded_batch_rows_match_rows_alone(model, method):
+    lengths, steps = (40, 24, 32), 12  # padding of 0, 16, 8: whole Quest pages of 8
+    gen = torch.Generator().manual_seed(3)
+    rows = [torch.randint(3, 256, (1, n), generator=gen) for n in lengths]
+    width = max(lengths)
+    ids = torch.cat([torch.nn.functional.pad(r, (width - r.shape[1], 0), value=0) for r in rows])
+    mask = torch.cat([torch.nn.functional.pad(torch.ones_like(r), (width - r.shape[1], 0)) for r in rows])
+    cfg = sparse_config(model, SPECS[method](16))
+    with kvcompress.enabled(model):
+        batch_logits, batch_tokens = greedy(model, CompressedCache(model.config, cfg), ids, steps, mask)
+        for i, r in enumerate(rows):
+            logits, tokens = greedy(model, CompressedCache(model.config, cfg), r, steps)
+            assert torch.equal(batch_tokens[i], tokens[0]), f"row {i} generated other tokens in the batch"
+            torch.testing.assert_close(batch_logits[i], logits[0], atol=1e-4, rtol=0)
+
+
+def decode_steps(model, cache, steps: int, prompt: int = 40):
+    """Prefill `prompt` random tokens then feed `steps` random tokens one by one; yields after each step."""
+    gen = torch.Generator().manual_seed(4)
+    model(torch.randint(3, 256, (1, prompt), generator=gen), **with_cache(cache))
+    for _ in range(steps):
+        model(torch.randint(3, 256, (1, 1), generator=gen), **with_cache(cache))
+        yield
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["full-precision", "nuq4-pages"])
+def test_h2o_memory_stays_bounded(model, quantized):
+    budget, page = 32, 8
+    policy = {}
+    if quantized:
+        policy = dict(key=QuantSpec("nuq", bits=4, axis="channel", outlier_fraction=0.02),
+                      value=QuantSpec("nuq", bits=4, axis="token", outlier_fraction=0.02),
+                      page_size=page, sinks=4)
+    spec = SparsitySpec("h2o", budget=budget, page_size=page)
+    cache = CompressedCache(model.config, sparse_config(model, spec, **policy))
+    # quantized: sinks, the tail (< one page, residual 0) and the recent window's pages stay, whole pages go
+    limit = budget + page + (page if quantized else 0)
+    held, nbytes = [], []
+    with torch.inference_mode(), kvcompress.enabled(model):
+        for _ in decode_steps(model, cache, 300):
+            held.append(max(layer.held_tokens for layer in cache.layers))
+            nbytes.append(cache.memory_report()["held_bytes"])
+    assert max(held) <= limit, f"a layer held {max(held)} tokens, more than {limit}"
+    assert cache.layers[0].get_seq_length() == 340  # positions keep counting what was seen
+    # flat: the last 200 steps never hold more bytes than steps 20-100 did
+    assert max(nbytes[100:]) <= max(nbytes[20:100])
+
+
+def test_page_eviction_over_quantized_storage_is_exact(model):
+    """Evicting whole packed pages keeps the kept tokens' codes: decode == the same tokens never evicted."""
+    quant = dict(key=QuantSpec("int", bits=4, axis="channel"), value=QuantSpec("nuq", bits=4, axis="token",
+                 outlier_fraction=0.02), page_size=8, sinks=2)
+    ids = torch.randint(3, 256, (2, 60), generator=torch.Generator().manual_seed(5))
+    layout = ModelLayout.from_model_config(model.config)
+    full_cfg = KVCompressConfig(layout=layout, layers=[LayerPolicy(**quant)] * layout.num_layers)
+    full = CompressedCache(model.config, full_cfg)
+    spec = SparsitySpec("h2o", budget=24, page_size=8)
+    sparse = CompressedCache(model.config, sparse_config(model, spec, **quant))
+    model(ids, **with_cache(full))
+    with kvcompress.enabled(model):
+        model(ids, **with_cache(sparse))
+    # layer 0 sees the same inputs in both caches, so its codes (and frozen statistics) are the same
+    k_all, v_all = full.layers[0].dense()
+    k, v = sparse.layers[0].dense()
+    pos = sparse.layers[0].sparse.pos
+    assert k.shape[2] < k_all.shape[2]
+    assert torch.equal(k, k_all.gather(2, pos[..., None].expand_as(k)))
+    assert torch.equal(v, v_all.gather(2, pos[..., None].expand_as(v)))
+
+
+def test_enable_is_scoped(model):
+    assert model.config._attn_implementation == "sdpa"
+    with kvcompress.enabled(model):
+        assert model.config._attn_implementation == "kvcompress"
+    assert model.config._attn_implementation == "sdpa"
+    eager = make_tiny_model("llama", attn_implementation="eager")
+    kvcompress.enable(eager)
+    assert eager.model.layers[0].self_attn.config._attn_implementation == "kvcompress"
+    kvcompress.disable(eager)
+    assert eager.config._attn_implementation == "eager"
+
+
+def test_sparse_config_without_enable_names_the_fix(model):
+    ids = torch.randint(3, 256, (1, 12))
+    with pytest.raises(ConfigError, match=r"kvcompress\.enable\(model\)"):
+        model(ids, **with_cache(CompressedCache(model.config, "h2o-20")))
+    # quantization-only configs keep working with any attention implementation
+    model(ids, **with_cache(CompressedCache(model.config, "nuq4")))
+
+
+@pytest.mark.parametrize("preset", ["streaming", "h2o-20", "snapkv-50", "quest-512", "nuq4+h2o-20",
+                                    "nuq4+quest-1024", "pyramid-h2o-20"])
+def test_presets_run_and_report_tokens_read(model, preset):
+    cache = CompressedCache(model.config, preset)
+    with kvcompress.enabled(model):
+        ids = torch.randint(3, 256, (1, 40), generator=torch.Generator().manual_seed(6))
+        logits, _ = greedy(model, cache, ids, 4)
+    assert torch.isfinite(logits).all()
+    assert 0 < cache.tokens_read_last_step() <= 45
+
+
+def test_smollm2_h2o_budget_covering_context_is_exact(smollm2):
+    model, tokenizer = smollm2
+    ids = tokenizer("The capital of France is Paris. The capital of Italy is", return_tensors="pt").input_ids
+    ref_logits, ref_tokens = greedy(model, DynamicCache(config=model.config), ids, 6)
+    cfg = sparse_config(model, SparsitySpec("h2o", budget=256))
+    with kvcompress.enabled(model):
+        logits, tokens = greedy(model, CompressedCache(model.config, cfg), ids, 6)
+    assert torch.equal(tokens, ref_tokens)
+    torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=0)
