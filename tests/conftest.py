@@ -21,7 +21,7 @@ if not torch.cuda.is_available():
 
 TINY_VOCAB = 256
 
-# Small config values per architecture; every arch gets hidden 64, 2 layers, 4 q / 2 kv heads unless overridden.
+# Every arch gets hidden 64, 2 layers, 4 q / 2 kv heads unless its entry or the caller overrides them.
 _COMMON = dict(
     vocab_size=TINY_VOCAB,
     hidden_size=64,

@@ -3,8 +3,8 @@
 Checked through `generate` (greedy, beam search, assisted decoding, which rolls the cache back with
 `crop`) on the real SmolLM2-135M and on tiny random models of every supported layout: GQA (Llama,
 Qwen2, Qwen3 with a wide head, Phi3), sliding windows shorter than the sequence (Mistral; Gemma3 mixing
-sliding and full layers) and MLA (DeepSeek-V3, whose cache holds the latent). Marked `compat`: these
-also run against transformers 5.17 in CI.
+sliding and full layers) and MLA (DeepSeek-V3, whose cache holds the latent). Tests marked `compat`
+also run against transformers 5.17 in CI (scripts/test.sh).
 """
 
 from __future__ import annotations
@@ -17,8 +17,6 @@ from transformers import DynamicCache
 from kvcompress import CompressedCache
 from kvcompress.cache import CompressedLayer, CompressedSlidingLayer
 from kvcompress.compat import with_cache
-
-pytestmark = pytest.mark.compat
 
 PROMPTS = [
     "The capital of France is",
@@ -58,6 +56,8 @@ def assert_same_states(reference: DynamicCache, compressed: CompressedCache):
         assert c.get_mask_sizes(1) == r.get_mask_sizes(1), f"layer {i}: mask sizes differ"
 
 
+@pytest.mark.compat
+@pytest.mark.slow
 def test_smollm2_greedy_batch_is_token_identical(smollm2):
     """3 prompts of different lengths, left-padded, 32 new tokens, on the real weights."""
     model, tokenizer = smollm2
@@ -70,6 +70,7 @@ def test_smollm2_greedy_batch_is_token_identical(smollm2):
     assert_same_states(ref, comp)
 
 
+@pytest.mark.slow
 def test_smollm2_none_config_object_and_none_argument_are_the_same(smollm2):
     """`CompressedCache(cfg)` (None) and a KVCompressConfig built from the "none" preset are lossless too."""
     from kvcompress import KVCompressConfig
@@ -81,9 +82,11 @@ def test_smollm2_none_config_object_and_none_argument_are_the_same(smollm2):
     assert_same_generation(model, lambda: CompressedCache(model.config), **inputs, max_new_tokens=8)
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("arch", sorted(TINY_ARCHS))
 def test_tiny_greedy_is_token_identical(arch):
-    """Batch of 2 (one row left-padded), 20-token prompt + 16 new tokens (35 cached): past every sliding window (8)."""
+    """Batch of 2 (one row left-padded), 20-token prompt + 16 new tokens (35 cached): past every
+    sliding window (8)."""
     model = make_tiny_model(arch)
     torch.manual_seed(1)
     input_ids = torch.randint(3, model.config.vocab_size, (2, 20))
@@ -117,6 +120,8 @@ def test_tiny_greedy_is_token_identical(arch):
         assert comp.layers[0].values.shape[1:] == (1, 35, model.config.qk_rope_head_dim)
 
 
+@pytest.mark.compat
+@pytest.mark.slow
 def test_smollm2_beam_search_is_token_identical(smollm2):
     """num_beams=3 expands the batch and calls reorder_cache every step."""
     model, tokenizer = smollm2
@@ -126,6 +131,7 @@ def test_smollm2_beam_search_is_token_identical(smollm2):
     )
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("arch", ["gemma3", "deepseek_v3"])
 def test_tiny_beam_search_is_token_identical(arch):
     """Beam search through sliding layers (past the window) and through the MLA latent cache."""
@@ -170,6 +176,8 @@ def _assisted_generate(model, assistant, cache, input_ids, max_new_tokens):
         )
 
 
+@pytest.mark.compat
+@pytest.mark.slow
 def test_smollm2_assisted_decoding_is_token_identical(smollm2):
     """A tiny random assistant with SmolLM2's vocabulary proposes drafts that are mostly rejected,
     so the target's cache is cropped over and over."""
@@ -180,11 +188,12 @@ def test_smollm2_assisted_decoding_is_token_identical(smollm2):
     cache = CompressedCache(model.config, "none")
     crops = _count_crops(cache)
     out = _assisted_generate(model, assistant, cache, input_ids, 16)
-    assert torch.equal(out, ref)
+    assert torch.equal(out, ref), f"assisted decoding differs: {out.tolist()} != {ref.tolist()}"
     assert any(n < 0 for n in crops), f"assisted decoding never cropped the cache (crop calls: {crops})"
     assert cache.get_seq_length() == out.shape[1] - 1
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("arch", ["mistral", "qwen3"])
 def test_tiny_assisted_decoding_is_token_identical(arch):
     """Assisted decoding through sliding layers past the window (which must record the past to crop)."""
@@ -196,10 +205,11 @@ def test_tiny_assisted_decoding_is_token_identical(arch):
     cache = CompressedCache(model.config, "none")
     crops = _count_crops(cache)
     out = _assisted_generate(model, assistant, cache, input_ids, 14)
-    assert torch.equal(out, ref)
+    assert torch.equal(out, ref), f"assisted decoding differs: {out.tolist()} != {ref.tolist()}"
     assert any(n < 0 for n in crops), f"assisted decoding never cropped the cache (crop calls: {crops})"
 
 
+@pytest.mark.compat
 def test_transformers_version_is_the_one_this_run_intended():
     """scripts/test.sh sets KVC_EXPECT_TRANSFORMERS=5.17 for its compat run: a run that silently picked up
     another transformers (a wrong PYTHONPATH) would prove nothing about 5.17."""

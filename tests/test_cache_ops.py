@@ -25,7 +25,11 @@ B, H, D = 4, 2, 16
 
 def llama_config():
     return LlamaConfig(
-        vocab_size=64, hidden_size=H * 2 * D, num_hidden_layers=3, num_attention_heads=2 * H, num_key_value_heads=H
+        vocab_size=64,
+        hidden_size=H * 2 * D,
+        num_hidden_layers=3,
+        num_attention_heads=2 * H,
+        num_key_value_heads=H,
     )
 
 
@@ -60,7 +64,8 @@ def feed(caches, batch, tokens, seed):
     for i, (k, v) in enumerate(random_states(n_layers, batch, tokens, seed)):
         outs = [c.update(k, v, i) for c in caches]
         for out in outs[1:]:
-            assert torch.equal(out[0], outs[0][0]) and torch.equal(out[1], outs[0][1]), f"update output, layer {i}"
+            assert torch.equal(out[0], outs[0][0]), f"update output keys, layer {i}"
+            assert torch.equal(out[1], outs[0][1]), f"update output values, layer {i}"
 
 
 def assert_like_dynamic(ref: DynamicCache, comp: CompressedCache, what: str):
@@ -71,7 +76,8 @@ def assert_like_dynamic(ref: DynamicCache, comp: CompressedCache, what: str):
             assert torch.equal(c.values, r.values), f"{what}: layer {i} values"
         assert comp.get_seq_length(i) == ref.get_seq_length(i), f"{what}: layer {i} get_seq_length"
         for q in (1, 5):
-            assert comp.get_mask_sizes(q, i) == ref.get_mask_sizes(q, i), f"{what}: layer {i} get_mask_sizes({q})"
+            sizes = comp.get_mask_sizes(q, i)
+            assert sizes == ref.get_mask_sizes(q, i), f"{what}: layer {i} get_mask_sizes({q})"
 
 
 def new_pair(arch):
@@ -115,17 +121,21 @@ def test_batch_operations_match(arch):
 
 
 @pytest.mark.parametrize("arch", sorted(CONFIGS))
-def test_reset_matches(arch):
-    ref, comp = new_pair(arch)
-    feed([ref, comp], B, 8, seed=5)
-    for c in (ref, comp):
-        c.reset()
-    for i in range(len(comp.layers)):
-        assert comp.get_seq_length(i) == ref.get_seq_length(i) == 0
+def test_reset_is_like_a_fresh_cache(arch):
+    """reset() drops every state: the cache then behaves as a new DynamicCache would (transformers 5.17's own
+    DynamicLayer.reset only zeroes its tensors and keeps their length, so a fresh cache is the reference)."""
+    _, comp = new_pair(arch)
+    feed([comp], B, 8, seed=5)
+    comp.reset()
+    for i, layer in enumerate(comp.layers):
+        assert comp.get_seq_length(i) == 0 and not layer.is_initialized, f"layer {i} after reset"
+    fresh = DynamicCache(config=CONFIGS[arch]())
     # a reset cache is reusable, with another batch size
-    feed([ref, comp], 2, 4, seed=6)
-    assert_like_dynamic(ref, comp, "update after reset")
-    assert comp.memory_report()["tokens_held"] == 4
+    feed([fresh, comp], 2, 4, seed=6)
+    assert_like_dynamic(fresh, comp, "update after reset")
+    feed([fresh, comp], 2, 5, seed=7)
+    assert_like_dynamic(fresh, comp, "second update after reset")
+    assert comp.memory_report()["tokens_seen"] == 9
 
 
 @pytest.mark.parametrize("arch", sorted(CONFIGS))
@@ -146,7 +156,7 @@ def test_crop_matches(arch):
 
 # -- quantized layers ----------------------------------------------------------------------------------------
 def small_page_policies():
-    """Quantized policies with small pages, so a few dozen tokens fill sinks, several body pages and a tail."""
+    """Quantized policies with small pages: a few dozen tokens fill sinks, several body pages and a tail."""
     return {
         "int4": LayerPolicy(
             key=QuantSpec(method="int", bits=4, axis="channel"),
@@ -166,7 +176,11 @@ def small_page_policies():
 
 
 def filled_layer(policy, tokens=30, prefill=5, seed=0):
-    """A CompressedLayer fed `prefill` tokens then one at a time; returns (layer, inputs, dense after each step)."""
+    """A CompressedLayer fed `prefill` tokens, then one at a time.
+
+    Returns (layer, (keys, values) fed [B, H, tokens, D], snapshots) where snapshots maps each length
+    reached to (dense K, dense V, tokens then in sinks + body).
+    """
     g = torch.Generator().manual_seed(seed)
     k_in, v_in = torch.randn(B, H, tokens, D, generator=g), torch.randn(B, H, tokens, D, generator=g)
     layer = CompressedLayer(policy, layer_idx=0)
@@ -235,7 +249,7 @@ def test_crop_more_than_held_raises():
 @pytest.mark.parametrize(
     "op",
     [
-        ("reorder_cache", torch.tensor([3, 3, 0, 1]), lambda t: t.index_select(0, torch.tensor([3, 3, 0, 1]))),
+        ("reorder_cache", torch.tensor([3, 3, 0, 1]), lambda t: t[torch.tensor([3, 3, 0, 1])]),
         ("batch_select_indices", torch.tensor([2, 0]), lambda t: t[torch.tensor([2, 0])]),
         ("batch_repeat_interleave", 2, lambda t: t.repeat_interleave(2, dim=0)),
     ],

@@ -20,7 +20,9 @@ H, D = 2, 16
 
 
 def llama_config(**overrides):
-    kwargs = dict(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=H)
+    kwargs = dict(
+        vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=H
+    )
     return LlamaConfig(**{**kwargs, **overrides})
 
 
@@ -80,6 +82,7 @@ def test_round_trip_is_equal_with_tensors(saved):
     assert loaded.with_layer(1, tensors={**loaded.layers[1].tensors, "value.codebook": changed}) != cfg
 
 
+@pytest.mark.compat  # reads the layout from a transformers config
 def test_loaded_tensors_reach_the_codecs(saved):
     """CompressedCache(model_config, path) builds its codecs from the saved codebooks."""
     path, cfg = saved
@@ -99,10 +102,16 @@ def test_round_trip_without_tensors(tmp_path):
 
 
 # -- bad files ---------------------------------------------------------------------------------------------
+@pytest.mark.compat  # reads the layout from a transformers config
 def test_config_for_another_model_is_refused(saved):
     path, _ = saved
     other = Qwen3Config(
-        vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, head_dim=32
+        vocab_size=64,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=32,
     )
     with pytest.raises(ConfigError, match="different model") as e:
         CompressedCache(other, path)
@@ -184,7 +193,12 @@ def _tamper(doc, where, key, value):
 
 @pytest.mark.parametrize(
     "where, key",
-    [((), "extra"), (("layers", 0), "colour"), (("layers", 1, "key"), "bogus"), (("layers", 0, "sparsity"), "x")],
+    [
+        ((), "extra"),
+        (("layers", 0), "colour"),
+        (("layers", 1, "key"), "bogus"),
+        (("layers", 0, "sparsity"), "x"),
+    ],
 )
 def test_unknown_fields_are_refused(saved, tmp_path, where, key):
     path, _ = saved
@@ -237,7 +251,7 @@ def test_unexpected_tensor_keys_are_refused(saved, tmp_path, name):
     ],
 )
 def test_malformed_metadata_is_a_config_error(saved, tmp_path, mutate):
-    """Whatever is wrong inside the metadata, the caller gets a ConfigError naming the file, not a KeyError."""
+    """Whatever is wrong in the metadata, the caller gets a ConfigError naming the file, not a KeyError."""
     path, _ = saved
     doc, tensors = read_raw(path)
     mutate(doc)

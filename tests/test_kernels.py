@@ -42,6 +42,10 @@ SPECS = {
     "nuq3": (QuantSpec(method="nuq", bits=3, axis="channel", outlier_fraction=0.01),
              QuantSpec(method="nuq", bits=3, axis="token", outlier_fraction=0.01)),
     "nuq2": (QuantSpec(method="nuq", bits=2, axis="channel"), QuantSpec(method="nuq", bits=2, axis="token")),
+    # the nuq presets' key layout: range per page and channel
+    "nuq4-page": (QuantSpec(method="nuq", bits=4, axis="page", outlier_fraction=0.01),
+                  QuantSpec(method="nuq", bits=4, axis="token", outlier_fraction=0.01)),
+    "nuq3-page": (QuantSpec(method="nuq", bits=3, axis="page"), QuantSpec(method="nuq", bits=3, axis="token")),
     "nuq4-rot": (QuantSpec(method="nuq", bits=4, rotation=True), QuantSpec(method="nuq", bits=4, rotation=True)),
     "fp8": (QuantSpec(method="fp8"), QuantSpec(method="fp8")),
     "fp8-e5m2": (QuantSpec(method="fp8", fp8_format="e5m2"), QuantSpec(method="fp8", fp8_format="e5m2")),

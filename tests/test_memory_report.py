@@ -13,6 +13,8 @@ from kvcompress import CompressedCache
 from kvcompress.cache import CompressedLayer
 from kvcompress.compat import with_cache
 
+pytestmark = pytest.mark.compat
+
 # transformers' sliding layer keeps its window length as a 0-d tensor: bookkeeping, not cached K/V
 NOT_KV = {"_sliding_window_tensor"}
 
@@ -70,7 +72,8 @@ def check_report(cache: CompressedCache, reference: DynamicCache) -> dict:
     rep = cache.memory_report()
     per_layer = [walked_bytes(layer) for layer in cache.layers]
     for i, (m, walked) in enumerate(zip(rep["layers"], per_layer)):
-        assert m["held_bytes"] == walked, f"layer {i}: report says {m['held_bytes']} B, its tensors hold {walked} B"
+        said = m["held_bytes"]
+        assert said == walked, f"layer {i}: the report says {said} B, its tensors hold {walked} B"
     assert rep["held_bytes"] == sum(per_layer)
     assert rep["held_bytes"] == rep["payload_bytes"] + rep["metadata_bytes"] + rep["window_bytes"]
     assert rep["uncompressed_bytes"] == dynamic_bytes(reference)
@@ -78,7 +81,6 @@ def check_report(cache: CompressedCache, reference: DynamicCache) -> dict:
     return rep
 
 
-@pytest.mark.compat
 def test_none_holds_exactly_what_dynamic_cache_holds():
     model = make_tiny_model("llama")
     cache, reference = CompressedCache(model.config, "none"), DynamicCache(config=model.config)

@@ -126,6 +126,13 @@ SQNR_CASES = [
     ("int4-token", INT(4, "token"), 32, 21.8, 18.4),  # measured 22.11 / 18.83
     ("int8-channel", INT(8, "channel"), 32, 46.4, 44.0),  # measured 46.72 / 44.48
     ("int8-token", INT(8, "token"), 32, 46.4, 42.9),  # measured 46.72 / 43.36
+    # nuq on each page's per-channel range (the nuq presets' keys), uniform levels with both ends on the
+    # range: the KIVI numbers without outliers; 1% outliers narrow the range, +0.8 dB (Gaussian) and
+    # +1.8-2.0 dB (heavy)
+    ("nuq2-page", NUQ(2, "page"), 32, 7.8, 5.4),  # measured 8.12 / 5.85
+    ("nuq3-page-out", NUQ(3, "page", 0.01), 32, 15.9, 14.8),  # measured 16.28 / 15.20
+    ("nuq4-page", NUQ(4, "page"), 32, 21.8, 19.7),  # measured 22.13 / 20.15
+    ("nuq4-page-out", NUQ(4, "page", 0.01), 32, 22.6, 21.5),  # measured 22.92 / 21.95
     # nuq, Gaussian Lloyd-Max codebook, pages of 64 tokens
     ("nuq2-channel", NUQ(2, "channel"), 64, 9.0, 5.6),  # measured 9.32 / 6.06
     ("nuq3-channel", NUQ(3, "channel"), 64, 14.3, 8.7),  # measured 14.63 / 9.12

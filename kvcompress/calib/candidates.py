@@ -17,16 +17,17 @@ from kvcompress.config import ConfigError, LayerPolicy, QuantSpec
 CANDIDATES = ("fp8", "nuq4", "nuq3", "nuq2")
 STREAMS = ("key", "value")
 # Layers of a mixed-precision config share the nuq presets' page layout (fp8 streams ignore it).
-MIXED_PAGE_SIZE = 64
+MIXED_PAGE_SIZE = 32
 MIXED_SINKS = 4
+MIXED_RESIDUAL = 32
 
 
 def choice_spec(choice: str, stream: str, outlier_fraction: float) -> QuantSpec:
-    """The QuantSpec of a named choice for keys (per-channel nuq) or values (per-token nuq)."""
+    """The QuantSpec of a named choice for keys (nuq on each page's channel range) or values (per token)."""
     if choice == "fp8":
         return QuantSpec(method="fp8")
     if choice in ("nuq4", "nuq3", "nuq2"):
-        axis = "channel" if stream == "key" else "token"
+        axis = "page" if stream == "key" else "token"
         return QuantSpec(method="nuq", bits=int(choice[3]), axis=axis, outlier_fraction=outlier_fraction)
     raise ConfigError(f"unknown calibration choice {choice!r}; use one of {CANDIDATES}")
 
@@ -67,7 +68,8 @@ class LayerFits:
         kspec, kt = self.choice(key_choice, "key")
         vspec, vt = self.choice(value_choice, "value")
         return with_fp8_scales(
-            LayerPolicy(key=kspec, value=vspec, page_size=MIXED_PAGE_SIZE, sinks=MIXED_SINKS, tensors={**kt, **vt}),
+            LayerPolicy(key=kspec, value=vspec, page_size=MIXED_PAGE_SIZE, sinks=MIXED_SINKS,
+                        residual=MIXED_RESIDUAL, tensors={**kt, **vt}),
             self,
         )
 

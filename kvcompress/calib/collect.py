@@ -175,14 +175,16 @@ def collect(model, windows: torch.Tensor, settings: CollectSettings, progress: b
     gen = torch.Generator().manual_seed(settings.seed)
     n_batches = math.ceil(windows.shape[0] / settings.batch_size)
     per_batch = math.ceil(settings.sample_tokens / n_batches)
-    use_attention = settings.weighting == "attention" and layout.attention == "gqa"
+    # queries match the cached keys only for GQA/MHA (an MLA cache holds latents)
+    use_queries = layout.attention == "gqa"
+    weighted = settings.weighting == "attention"
     state: dict = {}
 
     def sink(layer_idx, query, key, scaling):
-        if layer_idx is None or not use_attention:
+        if layer_idx is None:
             return
-        kw, vw = attention_importance(query, key, scaling, settings.query_stride)
-        state[layer_idx] = (kw, vw)
+        if weighted:
+            state[layer_idx] = attention_importance(query, key, scaling, settings.query_stride)
         if not running[layer_idx].probe:
             p = min(settings.probe_tokens, query.shape[2])
             running[layer_idx].probe.update(q=query[:1, :, :p].float().cpu(), scaling=scaling)
@@ -194,7 +196,7 @@ def collect(model, windows: torch.Tensor, settings: CollectSettings, progress: b
         from tqdm.auto import tqdm
 
         bar = tqdm(total=windows.numel(), desc="calibrating", unit="tok", unit_scale=True)
-    ctx = record_queries(model, sink) if use_attention else contextlib.nullcontext()
+    ctx = record_queries(model, sink) if use_queries else contextlib.nullcontext()
     with ctx, torch.inference_mode():
         for bi in batches:
             ids = windows[bi * settings.batch_size : (bi + 1) * settings.batch_size].to(device)

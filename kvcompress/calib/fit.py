@@ -92,6 +92,11 @@ def fit_nuq_tensors(stats: LayerStats, stream: str, bits: int, fraction: float, 
                     axis: str = "channel") -> dict:
     """The calibrated tensors of one nuq stream, keyed as in a LayerPolicy ("key.codebook", ...)."""
     out = {}
+    if axis == "page":
+        # Keys coded on each page's own range keep the codec's uniform levels: calibration samples are
+        # scattered tokens, not pages, and on SmolLM2 keys k-means levels fitted in the page-range
+        # domain measured 0.7-0.9 dB below the uniform grid (whose ends sit on the range).
+        return out
     if axis == "channel":
         u, keep, w, thr = normalised_per_channel(stats, stream, fraction)
         mean, scale = channel_stats(stats, stream)

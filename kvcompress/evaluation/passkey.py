@@ -45,7 +45,7 @@ def passkey_key(length: int, depth: float, seed: int) -> int:
     return random.Random(f"passkey-{seed}-{length}-{depth:.3f}").randint(10000, 99999)
 
 
-def passkey_prompt(tokenizer, length: int, depth: float, key: int, template: Template = "chat") -> torch.Tensor:
+def passkey_prompt(tokenizer, length: int, depth: float, key: int, template: Template = "plain") -> torch.Tensor:
     """Token ids [1, ~length] of instruction | filler | needle at `depth` | filler | question.
 
     Filler is whole repetitions of a neutral sentence group, as many as fit in `length` tokens
@@ -110,13 +110,15 @@ def passkey_accuracy(
     depths=(0.1, 0.5, 0.9),
     seeds=(0,),
     *,
-    template: Template = "chat",
+    template: Template = "plain",
     max_new_tokens: int = 8,
     on_trial: Callable[[], None] | None = None,
 ) -> PasskeyResult:
     """Fraction of (length, depth, seed) trials whose 5-digit key appears in the greedy output.
 
     cache_factory: zero-argument callable returning a fresh cache (one per trial).
+    template: "plain" by default: with the uncompressed cache SmolLM2-135M-Instruct finds 12 of 18
+    keys (lengths 1024 / 2048, depths 0.1 / 0.5 / 0.9, 3 seeds) as plain text, 9 of 18 as a chat turn.
     """
     trials = []
     for length in lengths:

@@ -79,7 +79,7 @@ def evaluate(
     passkey_lengths: Sequence[int] = (1024, 2048),
     passkey_depths: Sequence[float] = (0.1, 0.5, 0.9),
     passkey_seeds: Sequence[int] = (0,),
-    passkey_template: str = "chat",
+    passkey_template: str = "plain",
     include_uncompressed: bool = True,
     progress: bool = True,
     log: Callable[[str], None] = print,

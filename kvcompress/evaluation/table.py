@@ -18,6 +18,10 @@ def _num(x, fmt: str, suffix: str = "") -> str:
     return f"{x:{fmt}}{suffix}"
 
 
+def _count(x) -> str:
+    return "n/a" if x is None else f"{x:g}" if isinstance(x, float) else str(x)
+
+
 def row_cells(r: dict) -> list[str]:
     held, read = r.get("tokens_held"), r.get("tokens_read")
     return [
@@ -28,7 +32,7 @@ def row_cells(r: dict) -> list[str]:
         fmt_bytes(r["held_bytes"]) if r.get("held_bytes") is not None else "n/a",
         _num(r.get("compression_ratio"), ".2f", "x"),
         _num(r.get("bits_per_element"), ".2f"),
-        f"{held}/{read}" if held is not None else "n/a",
+        f"{held}/{_count(read)}" if held is not None else "n/a",
         _num(r.get("ms_per_token"), ".1f"),
     ]
 

@@ -115,6 +115,10 @@ def stream_args(codec: Codec, data: dict[str, torch.Tensor], row: dict[str, torc
             _same_strides(scale, mean, "channel_scale", "channel_mean")
             strides = (scale.stride(0), scale.stride(1), 0, scale.stride(3))
         a.update(scale=scale, zero=mean, has_zero=True, scale_at=SCALE_ROW, group=1, scale_strides=strides)
+    elif codec.axis == "page":
+        _same_strides(data["scale"], data["zero"], "scale", "zero")
+        a.update(scale=data["scale"], zero=data["zero"], has_zero=True, scale_at=SCALE_PAGE, group=1,
+                 scale_strides=_strides4(data["scale"]))
     else:
         a.update(scale=data["scale"], scale_at=SCALE_TOKEN, group=d, scale_strides=_strides4(data["scale"]))
     if codec.n_outliers:

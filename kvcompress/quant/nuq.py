@@ -5,10 +5,11 @@ Each element is normalised, then coded as the index of the nearest of 2**b codeb
 
 - axis="channel" (keys): u = (x - mean_c) / scale_c, with per-channel statistics either calibrated
   (shared [H, D]) or measured on the tokens present at the first flush and then frozen (ROW fields).
-- axis="page" (keys): per page and channel, the range [lo, hi] of the non-outlier elements (fp16),
-  u = 2 (x - lo) / (hi - lo) - 1 in [-1, 1]. Post-RoPE keys drift along the sequence, so a range per
-  page follows them where frozen statistics cannot (measured on SmolLM2 keys: 27.6 dB against 21.0 dB
-  for frozen per-channel statistics at 4 bits, pages of 64, 1% outliers). The default codebook here is
+- axis="page" (keys): per page and channel, the range [lo, hi] of the non-outlier elements, stored
+  as scale = (hi - lo) / 2 and zero = (hi + lo) / 2 in fp16; u = (x - zero) / scale in [-1, 1].
+  Post-RoPE keys drift along the sequence, so a range per page follows them where frozen statistics
+  cannot (measured on SmolLM2 keys: 27.6 dB against 21.0 dB for frozen per-channel statistics at
+  4 bits, pages of 64, 1% outliers). The default codebook here is
   the uniform grid with both ends on the range (it measured better than Gaussian levels: the range ends
   hold the largest keys, which dominate attention scores); calibration fits non-uniform levels.
 - axis="token" (values): u = x / rms_t, one fp16 scale per token and head.
@@ -71,8 +72,8 @@ class NuqCodec(Codec):
         if self.axis == "token":
             f["scale"] = (FieldKind.TOKEN, Role.METADATA)
         elif self.axis == "page":
-            f["lo"] = (FieldKind.PAGE, Role.METADATA)
-            f["hi"] = (FieldKind.PAGE, Role.METADATA)
+            f["scale"] = (FieldKind.PAGE, Role.METADATA)
+            f["zero"] = (FieldKind.PAGE, Role.METADATA)
         elif not self._calibrated_channels:
             f["channel_mean"] = (FieldKind.ROW, Role.METADATA)
             f["channel_scale"] = (FieldKind.ROW, Role.METADATA)
@@ -130,11 +131,13 @@ class NuqCodec(Codec):
                 mp = torch.zeros_like(self._pages(xf), dtype=torch.bool)
             xp = self._pages(xf)
             big = torch.finfo(torch.float32).max
-            lo = torch.where(mp, big, xp).amin(3).to(torch.float16)  # [B, H, n_pages, D]
+            lo = torch.where(mp, big, xp).amin(3)  # [B, H, n_pages, D]
             hi = torch.where(mp, -big, xp).amax(3)
-            hi = torch.maximum(hi, lo.float() + 1e-4).to(torch.float16)
-            out["lo"], out["hi"] = lo, hi
-            u = _to_unit(xp, lo, hi).reshape(b, h, n, d)
+            # stored as x = u * scale + zero (the form the fused kernels read), fp16
+            scale = ((hi - lo) / 2).clamp_min(1e-5).to(torch.float16)
+            zero = ((hi + lo) / 2).to(torch.float16)
+            out["scale"], out["zero"] = scale, zero
+            u = _to_unit(xp, scale, zero).reshape(b, h, n, d)
         else:
             rms = xf.pow(2).mean(-1, keepdim=True).sqrt()
             if k:
@@ -176,9 +179,9 @@ class NuqCodec(Codec):
             mean, scale = self._channel_stats(row, q.device)
             x = u * scale + mean
         elif self.axis == "page":
-            lo, hi = f["lo"].float().unsqueeze(3), f["hi"].float().unsqueeze(3)
+            scale, zero = f["scale"].float().unsqueeze(3), f["zero"].float().unsqueeze(3)
             up = u.reshape(b, h, n // self.page_size, self.page_size, d)
-            x = ((up + 1) * 0.5 * (hi - lo) + lo).reshape(b, h, n, d)
+            x = (up * scale + zero).reshape(b, h, n, d)
         else:
             x = u * f["scale"].float()
         if "outlier_idx" in f:
@@ -201,7 +204,7 @@ class NuqCodec(Codec):
         return b
 
 
-def _to_unit(xp: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
-    """[B, H, n, P, D] -> 2 (x - lo) / (hi - lo) - 1, with lo / hi [B, H, n, D] (fp16 as stored)."""
-    lo, hi = lo.float().unsqueeze(3), hi.float().unsqueeze(3)
-    return (2.0 * (xp - lo) / (hi - lo).clamp_min(1e-6) - 1.0).clamp(-1.0, 1.0)
+def _to_unit(xp: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """[B, H, n, P, D] -> (x - zero) / scale in [-1, 1], with scale / zero [B, H, n, D] (fp16 as stored)."""
+    scale, zero = scale.float().unsqueeze(3), zero.float().unsqueeze(3)
+    return ((xp - zero) / scale).clamp(-1.0, 1.0)

@@ -49,4 +49,12 @@ def attend_torch(query: torch.Tensor, layer, scaling: float) -> tuple[torch.Tens
     return out, mass
 
 
-BACKENDS: dict[str, Backend] = {"torch": attend_torch}
+def attend_fused(query: torch.Tensor, layer, scaling: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The fused Triton kernel on decode steps that deferred their dense K/V (kvcompress.kernels.attention_backend),
+    the torch reference on every other step."""
+    from kvcompress.kernels.attention_backend import attend_fused as fused
+
+    return fused(query, layer, scaling, deferred=getattr(layer.sparse.step, "deferred", False))
+
+
+BACKENDS: dict[str, Backend] = {"torch": attend_torch, "fused": attend_fused}

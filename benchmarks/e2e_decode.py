@@ -1,0 +1,202 @@
+"""End-to-end decode: a Llama-3.1-8B-shaped model, CompressedCache(nuq4) on the fused path vs DynamicCache + SDPA.
+
+The model (32 layers, hidden 4096, 32 query / 8 kv heads, head dim 128, intermediate 14336, vocab 128256)
+is built from a LlamaConfig directly on the GPU with random bf16 weights (nothing is downloaded; decode
+speed does not depend on the weights). Both caches run in the same process on the same model:
+
+- dynamic: `DynamicCache` with the "sdpa" attention;
+- nuq4:    `CompressedCache(config, "nuq4")` with `kvcompress.enable(model)` (decode steps run the fused
+           Triton kernel over the packed pages; prefill runs SDPA over the dequantized chunks).
+
+Per cache: the prompt is prefilled in chunks of --chunk tokens (logits of the last token only, so no
+[B, chunk, vocab] tensor), then --steps greedy decode steps are timed with CUDA events after --warmup
+steps. Tokens/s = batch * steps / time.
+
+Longest context at this batch: the peak memory (torch.cuda.max_memory_allocated over prefill + decode)
+is measured at two prompt lengths, L/2 and L; it is linear in the length, peak(n) = a + b*n, and the
+longest context is the n where a + b*n reaches the memory this process can use (free memory at start
+plus what it already held, i.e. the model). Cache bytes per token (the cache's own tensors: memory_report
+for CompressedCache, the K/V tensors for DynamicCache) are printed beside it.
+
+    python benchmarks/e2e_decode.py --out e2e.md                  # H200: batch 8, 32K prompt, 64 steps
+    TRITON_INTERPRET=1 KVCOMPRESS_KERNELS=triton python benchmarks/e2e_decode.py --tiny --out /tmp/e2e.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import time
+
+import torch
+
+import kvcompress
+from kvcompress.cache import CompressedCache
+from kvcompress.compat import with_cache
+from kvcompress.kernels.backend import select_backend
+
+LLAMA_8B = dict(
+    num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+    intermediate_size=14336, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,
+)
+TINY = dict(
+    num_hidden_layers=2, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+    intermediate_size=512, vocab_size=1000, max_position_embeddings=4096,
+)
+
+
+def build_model(tiny: bool, device: torch.device):
+    """Random-weight Llama built on `device` (bf16 on CUDA, fp32 on CPU); init is the config's normal_."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    config = LlamaConfig(**(TINY if tiny else LLAMA_8B))
+    torch.manual_seed(0)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with device:
+            model = LlamaForCausalLM(config).eval()
+    finally:
+        torch.set_default_dtype(previous)
+    model.set_attn_implementation("sdpa")
+    return model
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def prefill(model, ids: torch.Tensor, cache, chunk: int) -> torch.Tensor:
+    """ids [B, T] in chunks of `chunk` tokens; returns the next tokens [B, 1]."""
+    logits = None
+    for lo in range(0, ids.shape[1], chunk):
+        logits = model(ids[:, lo:lo + chunk], logits_to_keep=1, **with_cache(cache)).logits
+    return logits[:, -1:].argmax(-1)
+
+
+@torch.no_grad()
+def decode(model, token: torch.Tensor, cache, steps: int) -> torch.Tensor:
+    for _ in range(steps):
+        token = model(token, logits_to_keep=1, **with_cache(cache)).logits[:, -1:].argmax(-1)
+    return token
+
+
+def timed_decode(model, token, cache, steps: int, device) -> float:
+    """Seconds for `steps` decode steps (CUDA events on the GPU, wall clock on CPU)."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        decode(model, token, cache, steps)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    t0 = time.perf_counter()
+    decode(model, token, cache, steps)
+    return time.perf_counter() - t0
+
+
+def cache_bytes(cache) -> int:
+    if isinstance(cache, CompressedCache):
+        return cache.memory_report()["held_bytes"]
+    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)
+               if t is not None)
+
+
+def make_cache(kind: str, model, preset: str):
+    from transformers import DynamicCache
+
+    if kind == "dynamic":
+        kvcompress.disable(model)
+        model.set_attn_implementation("sdpa")
+        return DynamicCache()
+    kvcompress.enable(model)
+    return CompressedCache(model.config, preset)
+
+
+def run_one(kind, model, args, length, device, timed: bool) -> dict:
+    """Prefill `length` tokens and decode; peak memory, cache bytes and (if timed) tokens/s."""
+    g = torch.Generator(device="cpu").manual_seed(length)
+    ids = torch.randint(0, model.config.vocab_size, (args.batch, length), generator=g).to(device)
+    cache = make_cache(kind, model, args.preset)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    token = prefill(model, ids, cache, args.chunk)
+    token = decode(model, token, cache, args.warmup)
+    sync(device)
+    row = {"length": length, "cache_bytes": cache_bytes(cache), "tokens": cache.get_seq_length()}
+    if timed:
+        seconds = timed_decode(model, token, cache, args.steps, device)
+        row["tok_s"] = args.batch * args.steps / seconds
+        row["ms_step"] = 1e3 * seconds / args.steps
+    row["peak"] = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+    del cache, ids, token
+    return row
+
+
+def longest_context(short: dict, long: dict, capacity: int) -> tuple[int, float]:
+    """Fit peak(n) = a + b*n through the two runs; the n where it reaches `capacity` bytes."""
+    b = (long["peak"] - short["peak"]) / (long["length"] - short["length"])
+    a = long["peak"] - b * long["length"]
+    return (int((capacity - a) / b) if b > 0 else 0), b
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tiny", action="store_true", help="a 2-layer model and short context (CPU check)")
+    ap.add_argument("--batch", type=int, default=None)
+    ap.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 32768, tiny 96)")
+    ap.add_argument("--chunk", type=int, default=None, help="prefill chunk (default 2048, tiny 32)")
+    ap.add_argument("--steps", type=int, default=None, help="timed decode steps (default 64, tiny 4)")
+    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--preset", default="nuq4")
+    ap.add_argument("--out", required=True, help="file the result table is written to")
+    args = ap.parse_args(argv)
+    args.batch = args.batch or (2 if args.tiny else 8)
+    args.prompt = args.prompt or (96 if args.tiny else 32768)
+    args.chunk = args.chunk or (32 if args.tiny else 2048)
+    args.steps = args.steps or (4 if args.tiny else 64)
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+    model = build_model(args.tiny, device)
+    capacity = free if device.type == "cuda" else 0  # memory this process could use (model included)
+    backend = select_backend(device)
+
+    results = {}
+    for kind in ("dynamic", args.preset):
+        short = run_one(kind, model, args, args.prompt // 2, device, timed=False)
+        long = run_one(kind, model, args, args.prompt, device, timed=True)
+        fit, per_token = longest_context(short, long, capacity) if device.type == "cuda" else (0, 0.0)
+        long.update(short_peak=short["peak"], longest=fit, peak_per_token=per_token,
+                    cache_per_token=long["cache_bytes"] / long["tokens"])
+        results[kind] = long
+    kvcompress.disable(model)
+
+    base, comp = results["dynamic"], results[args.preset]
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    head = (f"e2e decode, {datetime.date.today()}, {gpu}, {'tiny' if args.tiny else 'Llama-3.1-8B shape'} "
+            f"random weights, batch {args.batch}, prompt {args.prompt} (chunks {args.chunk}), {args.steps} "
+            f"timed steps after {args.warmup}; kvcompress kernels: {backend}")
+    lines = [head, "",
+             "| cache | tok/s | ms/step | cache bytes/token (batch) | peak bytes/token | peak GiB | longest context |",
+             "|---|---|---|---|---|---|---|"]
+    for kind, r in results.items():
+        lines.append(f"| {kind} | {r['tok_s']:.1f} | {r['ms_step']:.2f} | {r['cache_per_token']:.0f} | "
+                     f"{r['peak_per_token']:.0f} | {r['peak'] / 2**30:.2f} | {r['longest']} |")
+    speed = comp["tok_s"] / base["tok_s"]
+    ctx = comp["longest"] / base["longest"] if base["longest"] else float("nan")
+    lines += ["", f"{args.preset} vs dynamic: decode speed {speed:.2f}x, longest context {ctx:.2f}x "
+              f"(capacity {capacity / 2**30:.1f} GiB: free memory at start, the model included)"]
+    text = "\n".join(lines) + "\n"
+    with open(args.out, "w") as f:
+        f.write(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+"""The fused decode path of the `kvcompress` attention: which steps take it, and the backend that runs them.
+
+A decode step (one query token) of a `CompressedLayer` whose codecs the fused kernel reads does not
+decode its whole cache: `update()` asks `defers_dense(layer, new_keys)`, and when the answer is yes it
+returns the new token itself as a placeholder and the layer is marked *deferred*; the `kvcompress`
+attention then takes the mark (`take_deferred`) and runs `layer_decode_attention` over the packed
+parts (sinks | packed body | tail). Prefill and every other step keep the dense K/V and torch SDPA.
+
+A step is deferred only inside a forward of a model enabled with the fused backend
+(`kvcompress.enable(model)`), whose pre-hook calls `begin_forward` with the backend
+`select_backend()` picks (Triton on CUDA, `KVCOMPRESS_KERNELS=triton|torch` forces one).
+
+Left padding: the kernel masks nothing at the start of a row (`body_lengths` only cuts a row's end),
+so a forward whose 2-D attention mask has any padding runs the whole batch on the torch path.
+
+Sparse layers: Quest passes its selected pages as the kernel's page list (the kernel always reads the
+sinks and the whole tail, a few more tokens than the torch path's newest page); H2O takes the
+per-token attention the kernel returns. Nothing here imports transformers or Triton.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from kvcompress.config import ConfigError
+
+_local = threading.local()
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+# -- the forward scope --------------------------------------------------------------------------------
+def begin_forward(use_fused: bool) -> None:
+    """Called before a model forward: decode steps of supported layers may defer their dense K/V."""
+    _local.fused = use_fused
+    _local.deferred = None
+
+
+def end_forward() -> None:
+    _local.fused = False
+    _local.deferred = None
+
+
+def batch_has_padding(attention_mask) -> bool:
+    """True when a 2-D padding mask [B, T] masks any position (one host sync per forward)."""
+    return isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 and not bool(attention_mask.all())
+
+
+# -- which layers take it ----------------------------------------------------------------------------
+def fused_supported(layer) -> bool:
+    """Whether the fused kernel can serve `layer`'s decode steps (codecs, head dims, dtype, sparsity)."""
+    from kvcompress.kernels.streams import stream_supported
+
+    if not getattr(layer, "is_initialized", False) or not getattr(layer, "compressed", False):
+        return False  # lossless layers return their tail as is: SDPA reads it without any decode
+    if not (stream_supported(layer.key_store.codec) and stream_supported(layer.value_store.codec)):
+        return False
+    if layer.tail_k.dtype not in _DTYPES:
+        return False
+    for d in (layer.tail_k.shape[-1], layer.tail_v.shape[-1]):
+        if d < 16 or d & (d - 1):
+            return False
+    sparse = getattr(layer, "sparse", None)
+    if sparse is not None and sparse.policy.keeps_page_summaries:  # Quest: its pages must be body pages
+        page = layer.key_store.page_size
+        return sparse.policy.page_size == page and layer.sink_k.shape[2] % page == 0
+    return True
+
+
+def defers_dense(layer, new_keys: torch.Tensor) -> bool:
+    """Called by `CompressedLayer.update` after appending new_keys [B, H, q, D]: True when this step's
+    attention reads the packed parts, so the layer need not decode its dense K/V (it is then marked)."""
+    if new_keys.shape[2] != 1 or not getattr(_local, "fused", False) or not fused_supported(layer):
+        return False
+    if getattr(_local, "deferred", None) is not None:
+        waiting = _local.deferred[0]
+        _local.deferred = None
+        raise ConfigError(
+            f"layer {waiting.layer_idx} deferred its attention to the kvcompress fused path, but the model ran "
+            "another attention implementation. Use `kvcompress.enable(model)` / `kvcompress.disable(model)` "
+            "rather than changing the attention implementation directly."
+        )
+    _local.deferred = (layer, new_keys)
+    return True
+
+
+def take_deferred(key: torch.Tensor):
+    """The deferred layer whose update returned `key` (clears the mark), or None."""
+    entry = getattr(_local, "deferred", None)
+    if entry is None or entry[1] is not key:
+        return None
+    _local.deferred = None
+    return entry[0]
+
+
+# -- the attention itself ----------------------------------------------------------------------------
+def attend_layer(query: torch.Tensor, layer, scaling: float) -> torch.Tensor:
+    """Fused decode attention of a dense (not sparse) layer: query [B, Hq, 1, D] -> [B, Hq, 1, Dv]."""
+    from kvcompress.kernels.decode_attention import layer_decode_attention
+
+    out, _ = layer_decode_attention(layer, query[:, :, 0], scaling, backend="triton")
+    return out[:, :, None]
+
+
+def attend_fused(query: torch.Tensor, layer, scaling: float, deferred: bool = False):
+    """The sparse-attention backend (kvcompress.sparse.attention.BACKENDS["fused"]).
+
+    On a deferred decode step: the fused kernel over the packed parts, with Quest's pages as the page
+    list and, when the policy wants it, the per-token attention mass [B, H, held] (H2O). On any other
+    step (prefill, torch backend): the torch reference over the dense K/V.
+    """
+    from kvcompress.sparse.attention import attend_torch
+
+    if not deferred:
+        return attend_torch(query, layer, scaling)
+    from kvcompress.kernels.decode_attention import layer_decode_attention
+
+    step = layer.sparse.step
+    page_list = quest_page_list(layer, step.index) if step.index is not None else None
+    out, probs = layer_decode_attention(
+        layer, query[:, :, 0], scaling, page_list, return_probs=step.mass_queries > 0, backend="triton"
+    )
+    return out[:, :, None], probs
+
+
+def quest_page_list(layer, index: torch.Tensor) -> torch.Tensor:
+    """Quest's held-token selection index [B, H, k*P + newest] -> body page list [B, H, k+1] (-1: not in the body).
+
+    Quest lists k whole pages (sorted) then the newest page, which is in the body when it is whole and
+    the tail holds nothing; held tokens are positions (Quest evicts nothing) and its pages line up with
+    the body's (checked by `fused_supported`).
+    """
+    page = layer.key_store.page_size
+    newest = layer.held_tokens % page or page
+    k = (index.shape[-1] - newest) // page
+    first = index[:, :, : k * page + 1 : page]  # first token of each selected page and the newest [B, H, k+1]
+    body_page = (first - layer.sink_k.shape[2]) // page
+    inside = (body_page >= 0) & (body_page < layer.key_store.n_pages)
+    return torch.where(inside, body_page, torch.full_like(body_page, -1))

@@ -1,0 +1,78 @@
+"""`kvcompress eval` and kvcompress.evaluation on the real SmolLM2-135M (short contexts).
+
+What these prove: the CLI runs end to end and writes its rows; the uncompressed perplexity on the
+shipped text is plausible; the lossless preset is token-identical to DynamicCache (delta exactly 0);
+a text too short for the context fails with a message naming its token count; passkey retrieval
+finds the key through an uncompressed cache on a short prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from click.testing import CliRunner
+from transformers import DynamicCache
+
+from kvcompress.cache import CompressedCache
+from kvcompress.cli import main
+from kvcompress.evaluation import TextTooShortError, context_ids, passkey_accuracy, perplexity
+from kvcompress.evaluation.runner import add_deltas
+
+
+@pytest.fixture
+def cli_uses_loaded_model(smollm2, monkeypatch):
+    """The CLI gets the session's already loaded model instead of loading it again."""
+    import kvcompress.models
+
+    monkeypatch.setattr(kvcompress.models, "load_model", lambda name, device=None: smollm2)
+
+
+def test_cli_eval_end_to_end(cli_uses_loaded_model, tmp_path):
+    out = tmp_path / "out.json"
+    args = ["eval", "smollm2-135m", "--preset", "fp8", "--preset", "int4", "--context", "256", "--no-passkey",
+            "--no-progress", "--json", str(out)]
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 0, res.output
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["name"] for r in rows] == ["uncompressed", "fp8", "int4"]
+    ref = rows[0]
+    assert math.isfinite(ref["ppl"]) and 1.0 < ref["ppl"] < 100.0, ref["ppl"]
+    assert ref["n_tokens"] == 128 and ref["ppl_delta_pct"] == 0.0
+    # fp8 keeps ~3 significant bits per element more than int4 of the body; both stay near the reference
+    for r in rows[1:]:
+        assert abs(r["ppl_delta_pct"]) < 5.0, (r["name"], r["ppl_delta_pct"])
+    fp8 = rows[1]
+    assert fp8["compression_ratio"] > 2.0 and fp8["bits_per_element"] < 16.0
+    assert fp8["tokens_held"] == 255
+    assert "uncompressed" in res.output and "fp8" in res.output
+
+
+def test_none_preset_is_token_identical(smollm2):
+    model, tok = smollm2
+    ids = context_ids(tok, 64)
+    ref = perplexity(model, tok, lambda: DynamicCache(config=model.config), ids)
+    none = perplexity(model, tok, lambda: CompressedCache(model.config, "none"), ids)
+    assert none.nll == ref.nll and none.n_tokens == ref.n_tokens == 32
+    rows = add_deltas([{"name": "uncompressed", "kind": "uncompressed", "ppl": ref.ppl},
+                       {"name": "none", "kind": "preset", "ppl": none.ppl}])
+    assert rows[1]["ppl_delta_pct"] == 0.0
+
+
+def test_too_short_text_names_its_token_count(smollm2, cli_uses_loaded_model, tmp_path):
+    _, tok = smollm2
+    with pytest.raises(TextTooShortError, match=r"only \d+ tokens, fewer than --context 512"):
+        context_ids(tok, 512, text="A few words only.")
+    short = tmp_path / "short.txt"
+    short.write_text("A few words only.", encoding="utf-8")
+    res = CliRunner().invoke(main, ["eval", "--preset", "fp8", "--context", "512", "--text", str(short), "--no-passkey"])
+    assert res.exit_code != 0 and "only" in res.output and "--context 512" in res.output
+
+
+def test_passkey_found_through_uncompressed_cache(smollm2):
+    model, tok = smollm2
+    res = passkey_accuracy(model, tok, lambda: DynamicCache(config=model.config), lengths=(256,), depths=(0.5,))
+    trial = res.trials[0]
+    assert res.accuracy == 1.0, trial
+    assert 10000 <= trial.key <= 99999 and len(res.trials) == 1
