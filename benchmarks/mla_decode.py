@@ -178,7 +178,7 @@ def main():
         torch.cuda.empty_cache()
 
     lines = [
-        f"# MLA decode, one DeepSeek-V3 attention layer (128 heads, latent 512 + 64, bf16)",
+        "# MLA decode, one DeepSeek-V3 attention layer (128 heads, latent 512 + 64, bf16)",
         "",
         f"Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}; device: {torch.cuda.get_device_name()}; "
         f"torch {torch.__version__}; command: `PYTHONPATH=. python benchmarks/mla_decode.py`; kernel launch: {launch}",

@@ -265,6 +265,16 @@ class CompressedSlidingLayer(DynamicSlidingWindowLayer):
         self.is_initialized = False
         self.cumulative_length = 0
 
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        k, v = super().update(key_states, value_states, *args, **kwargs)
+        # transformers keeps the window as a view of the whole prompt's states; after a prompt longer than
+        # the window that pins every prompt token. Copy the window out so only W - 1 tokens stay held.
+        for name in ("keys", "values"):
+            t = getattr(self, name)
+            if t.numel() and t.untyped_storage().nbytes() > 2 * t.numel() * t.element_size():
+                setattr(self, name, t.clone())
+        return k, v
+
     @property
     def held_tokens(self) -> int:
         return 0 if not self.is_initialized or self.keys.numel() == 0 else self.keys.shape[-2]

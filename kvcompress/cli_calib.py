@@ -63,13 +63,14 @@ def _fail(e: Exception):
 @click.option("--weighting", type=click.Choice(["attention", "none"]), default="none", show_default=True,
               help="Weight the codebook fit by the attention each element gets (attention) or not (none).")
 @click.option("--device", default=None, help="cpu, cuda, ... (default: where the model loads).")
+@click.option("--load-in-4bit", is_flag=True, help="Load the weights in 4 bits (bitsandbytes NF4; CUDA).")
+@click.option("--load-in-8bit", is_flag=True, help="Load the weights in 8 bits (bitsandbytes LLM.int8; CUDA).")
 @click.option("--progress/--no-progress", default=True, show_default=True)
 def calibrate(model, out, text, samples, seq_len, batch_size, target_bits, memory_budget, budget_context,
-              budget_batch, preset, per_head, weighting, device, progress):
+              budget_batch, preset, per_head, weighting, device, progress, load_in_4bit=False, load_in_8bit=False):
     """Fit codebooks, key statistics, outlier thresholds and FP8 scales (and per-layer bits) for MODEL."""
     from kvcompress.calib.calibrate import CalibrationSettings
     from kvcompress.calib.calibrate import calibrate as run
-    from kvcompress.models import load_model
 
     if text is None:
         text_str = (importlib.resources.files("kvcompress") / "data" / "calib.txt").read_text()
@@ -84,7 +85,7 @@ def calibrate(model, out, text, samples, seq_len, batch_size, target_bits, memor
             memory_budget=parse_budget(memory_budget) if memory_budget else None,
             context=parse_count(budget_context), batch=budget_batch, per_head=per_head, weighting=weighting,
         )
-        m, tok = load_model(model, device=device)
+        m, tok = _load(model, device, load_in_4bit, load_in_8bit)
         cfg = run(m, tok, text_str, settings, progress=progress, log=click.echo)
         cfg.save(out)  # atomic: an interrupted run leaves no file behind
     except ConfigError as e:
@@ -198,3 +199,13 @@ def export(file, fmt, out_dir, allow_partial, per_head, tp_size, model_config):
         click.echo(f"  - {line}")
     for line in res.notes:
         click.echo(f"note: {line}")
+
+
+def _load(model, device, load_in_4bit, load_in_8bit):
+    from kvcompress.models import ModelLoadError, load_model, weight_quantization_kwargs
+
+    try:
+        kwargs = weight_quantization_kwargs(load_in_4bit, load_in_8bit)
+        return load_model(model, device=None if kwargs else device, **kwargs)
+    except ModelLoadError as e:
+        raise click.ClickException(str(e))

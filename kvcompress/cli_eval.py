@@ -35,9 +35,11 @@ def _lengths(ctx, param, value: str) -> tuple[int, ...]:
               help="Passkey prompt as a chat turn or as plain text.")
 @click.option("--baselines", default="", help="transformers QuantizedCache baselines: quanto,hqq (int4 and int2 each).")
 @click.option("--device", default=None, help="cpu, cuda, ... (default: where the model loads)")
+@click.option("--load-in-4bit", is_flag=True, help="Load the weights in 4 bits (bitsandbytes NF4; CUDA).")
+@click.option("--load-in-8bit", is_flag=True, help="Load the weights in 8 bits (bitsandbytes LLM.int8; CUDA).")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Show a progress bar.")
 def eval_command(model, presets, configs, context, text_file, json_out, plot_out, passkey, passkey_lengths,
-                 passkey_seeds, passkey_template, baselines, device, progress):
+                 passkey_seeds, passkey_template, baselines, device, progress, load_in_4bit=False, load_in_8bit=False):
     """Compare the uncompressed cache with presets / configs / baselines on the same text.
 
     Prints one table: perplexity and its change vs uncompressed, passkey accuracy, KV bytes held and
@@ -48,7 +50,6 @@ def eval_command(model, presets, configs, context, text_file, json_out, plot_out
     from kvcompress.evaluation.perplexity import TextTooShortError
     from kvcompress.evaluation.runner import evaluate
     from kvcompress.evaluation.table import print_results, write_json
-    from kvcompress.models import load_model
 
     if plot_out:
         from kvcompress.evaluation.plot import PLOT_HINT
@@ -64,7 +65,7 @@ def eval_command(model, presets, configs, context, text_file, json_out, plot_out
         with open(text_file, encoding="utf-8") as f:
             text = f.read()
     console = Console(stderr=True)
-    m, tok = load_model(model, device=device)
+    m, tok = _load(model, device, load_in_4bit, load_in_8bit)
     try:
         rows = evaluate(
             m, tok, presets=presets, configs=configs, baselines=baselines, context=context, text=text,
@@ -86,3 +87,13 @@ def eval_command(model, presets, configs, context, text_file, json_out, plot_out
 
         plot_results(rows, plot_out)
         click.echo(f"wrote {plot_out}")
+
+
+def _load(model, device, load_in_4bit, load_in_8bit):
+    from kvcompress.models import ModelLoadError, load_model, weight_quantization_kwargs
+
+    try:
+        kwargs = weight_quantization_kwargs(load_in_4bit, load_in_8bit)
+        return load_model(model, device=None if kwargs else device, **kwargs)
+    except ModelLoadError as e:
+        raise click.ClickException(str(e))

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 from dataclasses import asdict, dataclass, field, fields, replace
 
 import torch
@@ -199,24 +198,13 @@ class KVCompressConfig:
 
     def save(self, path: str | os.PathLike) -> None:
         """Write one .safetensors file atomically (a temporary file renamed into place)."""
-        from safetensors.torch import save_file
+        from kvcompress.atomic import write_safetensors
 
         tensors = {}
         for i, lp in enumerate(self.layers):
             for name, t in lp.tensors.items():
-                tensors[f"layers.{i}.{name}"] = t.detach().to("cpu").contiguous()
-        meta = {"kvcompress": json.dumps(self.to_metadata())}
-        path = os.fspath(path)
-        directory = os.path.dirname(os.path.abspath(path))
-        fd, tmp = tempfile.mkstemp(prefix=".kvcompress-", suffix=".tmp", dir=directory)
-        os.close(fd)
-        try:
-            save_file(tensors, tmp, metadata=meta)
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+                tensors[f"layers.{i}.{name}"] = t
+        write_safetensors(path, tensors, metadata={"kvcompress": json.dumps(self.to_metadata())})
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "KVCompressConfig":

@@ -58,6 +58,7 @@ def kvcompress_attention(module, query, key, value, attention_mask, scaling=None
     held = layer.held_tokens if deferred is not None else key.shape[2]
     step.deferred = deferred is not None
     step.mask = held_mask(attention_mask, state.positions(held, key), query.shape[2])
+    step.scaling = scaling
     step.index = state.policy.select(state, query, step.mask)
     step.mass_queries = state.policy.mass_queries(query.shape[2])
     backend = getattr(module, "_kvcompress_backend", None) or _backend("torch")

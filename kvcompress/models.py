@@ -60,3 +60,28 @@ def load_model(name_or_path: str = DEFAULT_MODEL, *, dtype=None, device: str | N
         model = model.to(device)
     model.eval()
     return model, tokenizer
+
+
+def weight_quantization_kwargs(load_in_4bit: bool, load_in_8bit: bool) -> dict:
+    """`from_pretrained` kwargs loading the weights in 4 or 8 bits with bitsandbytes (CUDA only).
+
+    Raises ModelLoadError naming what is missing: both flags at once, no CUDA device, no bitsandbytes.
+    """
+    if not (load_in_4bit or load_in_8bit):
+        return {}
+    if load_in_4bit and load_in_8bit:
+        raise ModelLoadError("choose one of --load-in-4bit and --load-in-8bit")
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ModelLoadError(
+            "--load-in-4bit / --load-in-8bit load the weights with bitsandbytes' CUDA kernels and need a CUDA "
+            "GPU; on this machine load the model in its own dtype (drop the flag)"
+        )
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ModelLoadError('4/8-bit weights need bitsandbytes: pip install "kvcompress[bnb]"')
+    from transformers import BitsAndBytesConfig
+
+    q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.bfloat16) if load_in_4bit \
+        else BitsAndBytesConfig(load_in_8bit=True)
+    return {"quantization_config": q, "device_map": "cuda"}

@@ -13,7 +13,7 @@ from kvcompress.calib.allocate import Option, allocate
 from kvcompress.calib.bits import config_bits_per_element
 from kvcompress.calib.calibrate import CalibrationSettings, calibrate, target_bits_for
 from kvcompress.calib.collect import calibration_windows
-from kvcompress.calib.sensitivity import causal_attention, relative_error, stored
+from kvcompress.calib.sensitivity import stored
 from kvcompress.compat import with_cache
 
 TEXT_SAMPLES = dict(samples=2, seq_len=160, batch_size=2, sample_tokens=512)

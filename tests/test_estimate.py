@@ -60,10 +60,17 @@ def test_deepseek_v3_mla_latent(tmp_path):
 def test_preset_bits_come_from_the_codecs():
     layout = ModelLayout("llama", 4, 2, 64, 64, ("full_attention",) * 4)
     r = estimate_memory(layout, KVCompressConfig.from_preset("fp8", layout), 4096, 2, torch.bfloat16)
-    assert r["bits_per_element"] == pytest.approx(8 + 16 / 64)  # fp8 codes + one fp16 scale per token and head
-    r = estimate_memory(layout, KVCompressConfig.from_preset("nuq4", layout), 4 + 64 * 100, 1, torch.bfloat16)
-    # codes 4 bits, value scales 16/64, 41 outliers of 32 bits per 64x64 page, 4 bf16 sinks, ROW stats
-    assert 4.4 < r["bits_per_element"] < 4.6
+    # fp8 codes + one fp16 scale per token and head, for the 4048 tokens in pages of 16; the 4 sinks and the
+    # 32-token window + 12 tokens of the partly filled page stay in bf16
+    assert r["bits_per_element"] == pytest.approx((4048 * (8 + 16 / 64) + 48 * 16) / 4096)
+    r = estimate_memory(layout, KVCompressConfig.from_preset("nuq4", layout), 4 + 32 + 32 * 199, 1, torch.bfloat16)
+    # keys: 4-bit codes + a fp16 scale and zero per channel per 32-token page; values: 4-bit codes + a fp16
+    # scale per token; both: 21 outliers (int16 position + fp16 value) per 32x64 page; 4 sinks and the
+    # 32-token window in bf16; plus the two float32 codebooks of 16 levels, once per layer
+    body = 4 + (32 / 32) / 2 + (16 / 64) / 2 + 21 * 32 / (32 * 64)
+    tokens = 36 + 32 * 199
+    codebooks = 2 * 16 * 32 / (tokens * 2 * (64 + 64))
+    assert r["bits_per_element"] == pytest.approx((32 * 199 * body + 36 * 16) / tokens + codebooks, rel=1e-6)
 
 
 def test_cli_json_with_config_file(tmp_path):

@@ -48,7 +48,8 @@ def test_vllm_export_parses_with_compressed_tensors(tmp_path):
     from compressed_tensors.quantization import QuantizationStrategy, QuantizationType
 
     res = export_vllm(fp8_config(), str(tmp_path))
-    assert not res.not_mapped
+    # the fp8 preset's exact sinks and window are the only thing the engine does not reproduce
+    assert res.not_mapped and all("the engine stores them in FP8" in line for line in res.not_mapped)
     doc = json.loads((tmp_path / "config.json").read_text())
     qc = QuantizationConfig.model_validate(doc["quantization_config"])
     kv = qc.kv_cache_scheme
@@ -110,7 +111,7 @@ def test_nuq_config_is_refused_unless_partial_export_is_allowed(tmp_path):
     cfg = nuq4_config(with_scales=True)
     with pytest.raises(ExportError, match="more than the engine can express") as e:
         export_sglang(cfg, str(tmp_path / "refused"))
-    assert "nuq4 codebook" in str(e.value) and "sinks" in str(e.value)
+    assert "nuq4 codebook" in str(e.value)
     assert not (tmp_path / "refused").exists()
     res = export_sglang(cfg, str(tmp_path / "partial"), allow_partial=True)
     assert any("nuq4 codebook" in line for line in res.not_mapped)

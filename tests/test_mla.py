@@ -18,7 +18,7 @@ from kvcompress.kernels.mla_decode import (
     mla_decode_torch,
 )
 from kvcompress.layout.mla_attention import is_mla, patch_mla
-from kvcompress.quant.codebook import gaussian_lloyd_max, nearest_level
+from kvcompress.quant.codebook import gaussian_lloyd_max
 from kvcompress.quant.pack import pack
 
 from conftest import make_tiny_model

@@ -22,7 +22,8 @@ from kvcompress import (
     CompressedCache, ConfigError, KVCompressConfig, LayerPolicy, ModelLayout, QuantSpec, SparsitySpec,
 )
 from kvcompress.compat import with_cache
-from kvcompress.sparse.quest import page_bounds
+from kvcompress.sparse.quest import page_bounds, page_scores
+from kvcompress.sparse.state import StepInputs
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -120,15 +121,38 @@ def test_quest_bounds_contain_keys_and_top_pages_are_read(model):
         bound = page_bounds(group, state.page_min, state.page_max)  # [B, H, pages]
         qk = torch.einsum("bhgd,bhpsd->bhgps", group, pages).amax((2, 4))
         assert bool((qk <= bound + 1e-5).all())
-        # selection: the newest (partial) page plus the top pages by bound within the budget
+        # selection: the first page (sinks), the newest (partial) page and the top pages by score
+        scaling = keys.shape[-1] ** -0.5
+        state.step = StepInputs(keys=keys, values=keys, q_len=1, scaling=scaling)
         mask = torch.ones(1, keys.shape[1], 1, t, dtype=torch.bool)
         idx = state.policy.select(state, query, mask)
         newest = t - n_pages * page  # 5 tokens in the partial page
         k = (21 - newest) // page
-        top = bound.topk(k, -1).indices.sort(-1).values
+        real = torch.ones(1, keys.shape[1], n_pages, dtype=torch.bool)
+        score = page_scores(group, state.page_min, state.page_max, real, scaling)
+        top = score[..., 1:].topk(k - 1, -1).indices + 1
+        top = torch.cat([torch.zeros_like(top[..., :1]), top], -1).sort(-1).values
         expected = torch.cat([(top[..., None] * page + torch.arange(page)).flatten(2),
                               torch.arange(t - newest, t).expand(1, keys.shape[1], newest)], -1)
         assert torch.equal(idx, expected)
+
+
+def test_quest_reads_the_page_a_sharp_head_needs_next_to_a_flat_head():
+    """One kv head, two query heads: head 0 has large but flat logits (8.0 .. 7.3 over the pages),
+    head 1 puts almost all its attention on page 5 (logit 6 against 0). Ranking pages by the max of
+    the raw bounds reads head 0's largest pages and misses page 5, which holds half the group's
+    attention mass; the summed per-head softmax reads it."""
+    n_pages, d = 8, 2
+    query = torch.tensor([[[[1.0, 0.0], [0.0, 1.0]]]])  # [B=1, H=1, G=2, D=2]
+    flat = torch.linspace(8.0, 7.3, n_pages)
+    sharp = torch.zeros(n_pages)
+    sharp[5] = 6.0
+    keys = torch.stack([flat, sharp], -1)[None, None]  # [1, 1, pages, D]: one key per page, min = max
+    real = torch.ones(1, 1, n_pages, dtype=torch.bool)
+    by_raw_bound = page_bounds(query, keys, keys).topk(3, -1).indices
+    by_score = page_scores(query, keys, keys, real, scaling=1.0).topk(3, -1).indices
+    assert 5 not in by_raw_bound.tolist()[0][0]  # the failure the summed softmax fixes
+    assert 5 in by_score.tolist()[0][0]
 
 
 @pytest.mark.parametrize("method", sorted(SPECS))

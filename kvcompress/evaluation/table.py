@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import tempfile
 
+from kvcompress.atomic import write_json as atomic_write_json
 from kvcompress.report import fmt_bytes
 
 COLUMNS = ("cache", "ppl", "Δppl", "passkey", "KV held", "ratio", "bits/elem", "tokens held/read", "ms/token")
@@ -66,16 +65,5 @@ def markdown_table(rows: list[dict]) -> str:
 
 
 def write_json(path: str | os.PathLike, doc) -> None:
-    """Write JSON atomically: a temporary file in the same folder, then os.replace."""
-    path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=folder)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(doc, f, indent=2, allow_nan=True)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    """Write JSON atomically (kvcompress.atomic)."""
+    atomic_write_json(path, doc)

@@ -11,13 +11,11 @@ runs FP8 with the calibrated scales on every layer and the lost parts are listed
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
 from dataclasses import dataclass, field
 
 import torch
 
+from kvcompress.atomic import write_json, write_safetensors
 from kvcompress.config import KVCompressConfig, LayerPolicy
 
 
@@ -93,15 +91,20 @@ def fp8_scales_for_export(cfg: KVCompressConfig, allow_partial: bool = False) ->
             "(any calibrated config carries FP8 scales)."
         )
     lost: dict[str, list[int]] = {}
+    # Exact windows are the same FP8 cache with a few tokens kept better: the engine keeps them in FP8 too,
+    # which the scales describe correctly, so they are reported as not mapped but do not block the export.
+    windows: dict[str, list[int]] = {}
     for i, p in enumerate(cfg.layers):
         for stream in ("key", "value"):
             d = _describe(p, stream)
             if d:
                 lost.setdefault(f"{stream}s: {d}", []).append(i)
         if p.sinks and not p.is_lossless:
-            lost.setdefault(f"first {p.sinks} tokens kept exact (sinks)", []).append(i)
+            windows.setdefault(f"first {p.sinks} tokens kept exact (sinks; the engine stores them in FP8)", []).append(i)
         if p.residual and not p.is_lossless:
-            lost.setdefault(f"newest {p.residual} tokens kept exact (residual window)", []).append(i)
+            windows.setdefault(
+                f"newest {p.residual} tokens kept exact (residual window; the engine stores them in FP8)", []
+            ).append(i)
         if p.sparsity.method != "none":
             lost.setdefault(f"sparsity {p.sparsity.method}", []).append(i)
     if any(p.key.method == "fp8" and p.key.fp8_format != "e4m3" for p in cfg.layers) or any(
@@ -116,6 +119,7 @@ def fp8_scales_for_export(cfg: KVCompressConfig, allow_partial: bool = False) ->
             + "\nThe engine would run FP8 E4M3 with the calibrated scales instead. Pass --allow-partial to export "
             "that anyway, or calibrate an FP8 config (`kvcompress calibrate MODEL --preset fp8`)."
         )
+    not_mapped += [f"layers {_ranges(idx)}: {what}" for what, idx in windows.items()]
     n = len(cfg.layers)
     return Fp8Scales(
         key=[_stream_scale(p, "key") for p in cfg.layers],
@@ -125,37 +129,12 @@ def fp8_scales_for_export(cfg: KVCompressConfig, allow_partial: bool = False) ->
     )
 
 
-def _tmp_in(directory: str, suffix: str) -> str:
-    fd, tmp = tempfile.mkstemp(prefix=".kvcompress-", suffix=suffix, dir=directory)
-    os.close(fd)
-    return tmp
-
-
 def write_json_atomic(path: str, doc: dict) -> None:
-    """Write JSON to a temporary file beside `path`, then rename it into place."""
-    tmp = _tmp_in(os.path.dirname(os.path.abspath(path)), ".json")
-    try:
-        with open(tmp, "w") as f:
-            json.dump(doc, f, indent=2)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    write_json(path, doc)
 
 
 def write_safetensors_atomic(path: str, tensors: dict[str, torch.Tensor], metadata: dict | None = None) -> None:
-    from safetensors.torch import save_file
-
-    tmp = _tmp_in(os.path.dirname(os.path.abspath(path)), ".safetensors")
-    try:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    write_safetensors(path, tensors, metadata)
 
 
 @dataclass

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 
-import torch
 
 from kvcompress.config import KVCompressConfig
 from kvcompress.export.common import ExportResult, fp8_scales_for_export, write_json_atomic, write_safetensors_atomic

@@ -20,8 +20,7 @@ import triton.language as tl
 
 from kvcompress.kernels.parts import AttentionParts
 from kvcompress.kernels.streams import (
-    KIND_DENSE, KIND_FP8E4, KIND_FP8E5, KIND_INT, KIND_NUQ,
-    SCALE_HEAD, SCALE_PAGE, SCALE_ROW, SCALE_TOKEN,
+    KIND_DENSE, KIND_INT, KIND_NUQ,
     StreamArgs, stream_args,
 )
 

@@ -57,7 +57,6 @@ class StreamArgs:
 def stream_args(codec: Codec, data: dict[str, torch.Tensor], row: dict[str, torch.Tensor]) -> StreamArgs:
     from kvcompress.quant.fp8 import Fp8Codec
     from kvcompress.quant.identity import IdentityCodec
-    from kvcompress.quant.nuq import NuqCodec
     from kvcompress.quant.uniform import UniformCodec
 
     if not stream_supported(codec):

@@ -39,6 +39,7 @@ class StepInputs:
     mask: torch.Tensor | None = None
     index: torch.Tensor | None = None  # [B, H, n] held tokens read (Quest), None = all
     mass_queries: int = 0  # newest queries whose attention is summed per token (0: no mass)
+    scaling: float = 1.0  # the attention's logit scale (Quest scores pages on that scale)
 
 
 class SparseState:
