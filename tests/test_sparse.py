@@ -3,7 +3,8 @@
 What these tests prove:
 - with a budget covering the context every policy is exactly the uncompressed model (DynamicCache + sdpa);
 - H2O keeps the top tokens by accumulated attention (from eager attention weights) plus its recent window;
-- Quest's page bounds contain every key of their page and it reads the top pages by bound;
+- Quest's page bounds contain every key of their page; it reads the sinks' page, the newest page and
+  the top pages by score, and the score lets a sharp query head of a GQA group get the page it needs;
 - a padded batch of 3 gives, row by row, what each row gives alone;
 - H2O's memory stays bounded over hundreds of generated tokens, also over quantized pages, whose
   eviction gathers packed pages exactly;
@@ -22,7 +23,7 @@ from kvcompress import (
     CompressedCache, ConfigError, KVCompressConfig, LayerPolicy, ModelLayout, QuantSpec, SparsitySpec,
 )
 from kvcompress.compat import with_cache
-from kvcompress.sparse.quest import page_bounds, page_scores
+from kvcompress.sparse.quest import head_logits, page_bounds, page_scores
 from kvcompress.sparse.state import StepInputs
 
 
@@ -121,6 +122,8 @@ def test_quest_bounds_contain_keys_and_top_pages_are_read(model):
         bound = page_bounds(group, state.page_min, state.page_max)  # [B, H, pages]
         qk = torch.einsum("bhgd,bhpsd->bhgps", group, pages).amax((2, 4))
         assert bool((qk <= bound + 1e-5).all())
+        # a radius scale of 1 is exactly that bound
+        torch.testing.assert_close(head_logits(group, state.page_min, state.page_max, 1.0).amax(2), bound)
         # selection: the first page (sinks), the newest (partial) page and the top pages by score
         scaling = keys.shape[-1] ** -0.5
         state.step = StepInputs(keys=keys, values=keys, q_len=1, scaling=scaling)
@@ -129,7 +132,7 @@ def test_quest_bounds_contain_keys_and_top_pages_are_read(model):
         newest = t - n_pages * page  # 5 tokens in the partial page
         k = (21 - newest) // page
         real = torch.ones(1, keys.shape[1], n_pages, dtype=torch.bool)
-        score = page_scores(group, state.page_min, state.page_max, real, scaling)
+        score = page_scores(group, state.page_min, state.page_max, real, scaling, state.policy.radius_scale)
         top = score[..., 1:].topk(k - 1, -1).indices + 1
         top = torch.cat([torch.zeros_like(top[..., :1]), top], -1).sort(-1).values
         expected = torch.cat([(top[..., None] * page + torch.arange(page)).flatten(2),
