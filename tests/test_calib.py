@@ -62,8 +62,9 @@ def test_calibrated_file_loads_with_the_model_fingerprint(smollm2, nuq4_config):
     assert len(loaded.layers) == 30
     layer = loaded.layers[7]
     assert layer.key.method == "nuq" and layer.key.bits == 4
-    assert layer.tensors["key.codebook"].shape == (3, 16)  # one codebook per kv head
-    assert layer.tensors["key.channel_mean"].shape == (3, 64)
+    # keys are coded on each page's own range (nothing to calibrate); values get one codebook per kv head
+    assert layer.key.axis == "page" and "key.codebook" not in layer.tensors
+    assert layer.tensors["value.codebook"].shape == (3, 16)
     assert layer.tensors["key.fp8_scale"].shape == (3,) and layer.tensors["value.fp8_scale"].shape == (3,)
     assert loaded.notes["calibration"]["preset"] == "nuq4"
 
