@@ -18,6 +18,8 @@ from kvcompress.compat import with_cache
 
 TEXT_SAMPLES = dict(samples=2, seq_len=160, batch_size=2, sample_tokens=512)
 
+MIXED_TARGET = 4.0
+
 
 @pytest.fixture(scope="module")
 def calib_text():
@@ -45,11 +47,14 @@ class _ByteTokenizer:
 
 @pytest.fixture(scope="module")
 def mixed_config(calib_text):
-    """A 3.5-bit mixed config of a tiny Llama (4 layers, 2 kv heads of 64): what is tested is the budget."""
+    """A 4-bit mixed config of a tiny Llama (4 layers, 2 kv heads of 64): what is tested is the budget.
+
+    4 bits all-in at 4096 tokens sits between uniform nuq2 (~3.5 with the float32 windows) and nuq3 (~4.5),
+    so the allocation has to mix."""
     from conftest import make_tiny_model
 
     model = make_tiny_model("llama", num_hidden_layers=4, head_dim=64)
-    settings = CalibrationSettings(target_bits=3.5, context=4096, weighting="attention", **TEXT_SAMPLES)
+    settings = CalibrationSettings(target_bits=MIXED_TARGET, context=4096, weighting="attention", **TEXT_SAMPLES)
     return model, calibrate(model, _ByteTokenizer(), calib_text, settings, progress=False)
 
 
@@ -129,11 +134,11 @@ def test_windows_cover_the_text_evenly():
 
 def test_mixed_precision_meets_its_bit_budget_exactly_as_stated(mixed_config):
     """The allocation's own accounting, the codec-based accounting and the bytes a real cache holds after
-    4 sinks + 63 pages of tokens all agree, and none exceeds the 3.5-bit target."""
+    4096 tokens all agree, and none exceeds the target."""
     model, cfg = mixed_config
     alloc = cfg.notes["allocation"]
-    assert alloc["achieved_bits"] <= 3.5
-    assert alloc["achieved_bits"] > 3.3  # the budget is used, not wasted
+    assert alloc["achieved_bits"] <= MIXED_TARGET
+    assert alloc["achieved_bits"] > MIXED_TARGET - 0.2  # the budget is used, not wasted
     choices = {c for pair in alloc["choices"].values() for c in pair}
     assert len(choices) >= 2, "a mixed config mixes"
     assert config_bits_per_element(cfg.layers, cfg.layout, 4096, 1, torch.float32) == pytest.approx(
@@ -192,4 +197,4 @@ def test_inspect_shows_policy_fingerprint_and_version(nuq4_config):
     out = CliRunner().invoke(main, ["inspect", str(path)], env={"COLUMNS": "200"})
     assert out.exit_code == 0, out.output
     assert "format version 1" in out.output and "30 layers" in out.output and "3 kv heads" in out.output
-    assert "nuq4/channel" in out.output and "calibrated on" in out.output
+    assert "nuq4/page" in out.output and "calibrated on" in out.output
