@@ -39,13 +39,13 @@ def generate(model, prompt, preset, max_new_tokens, device, chat):
     print_memory_report(cache.memory_report(), title=f"KV cache memory ({cache.kv_config.name})")
 
 
-# Further commands live in their own modules and register here.
-# (one line each; keep this list sorted)
-main.add_command(__import__("kvcompress.cli_calib", fromlist=["calibrate"]).calibrate)
-main.add_command(__import__("kvcompress.cli_eval", fromlist=["eval_command"]).eval_command)
-main.add_command(__import__("kvcompress.cli_calib", fromlist=["estimate"]).estimate)
-main.add_command(__import__("kvcompress.cli_calib", fromlist=["export"]).export)
-main.add_command(__import__("kvcompress.cli_calib", fromlist=["inspect"]).inspect)
+# The other commands live in their own modules.
+
+from kvcompress.cli_calib import calibrate, estimate, export, inspect  # noqa: E402
+from kvcompress.cli_eval import eval_command  # noqa: E402
+
+for _command in (calibrate, eval_command, estimate, export, inspect):
+    main.add_command(_command)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import re
 
 import click
 
+from kvcompress.cli_common import load_model_or_exit
 from kvcompress.config import ConfigError
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
@@ -85,7 +86,7 @@ def calibrate(model, out, text, samples, seq_len, batch_size, target_bits, memor
             memory_budget=parse_budget(memory_budget) if memory_budget else None,
             context=parse_count(budget_context), batch=budget_batch, per_head=per_head, weighting=weighting,
         )
-        m, tok = _load(model, device, load_in_4bit, load_in_8bit)
+        m, tok = load_model_or_exit(model, device, load_in_4bit, load_in_8bit)
         cfg = run(m, tok, text_str, settings, progress=progress, log=click.echo)
         cfg.save(out)  # atomic: an interrupted run leaves no file behind
     except ConfigError as e:
@@ -200,12 +201,3 @@ def export(file, fmt, out_dir, allow_partial, per_head, tp_size, model_config):
     for line in res.notes:
         click.echo(f"note: {line}")
 
-
-def _load(model, device, load_in_4bit, load_in_8bit):
-    from kvcompress.models import ModelLoadError, load_model, weight_quantization_kwargs
-
-    try:
-        kwargs = weight_quantization_kwargs(load_in_4bit, load_in_8bit)
-        return load_model(model, device=None if kwargs else device, **kwargs)
-    except ModelLoadError as e:
-        raise click.ClickException(str(e))

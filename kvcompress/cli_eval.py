@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import click
 
+from kvcompress.cli_common import load_model_or_exit
+
 
 def _lengths(ctx, param, value: str) -> tuple[int, ...]:
     try:
@@ -65,7 +67,7 @@ def eval_command(model, presets, configs, context, text_file, json_out, plot_out
         with open(text_file, encoding="utf-8") as f:
             text = f.read()
     console = Console(stderr=True)
-    m, tok = _load(model, device, load_in_4bit, load_in_8bit)
+    m, tok = load_model_or_exit(model, device, load_in_4bit, load_in_8bit)
     try:
         rows = evaluate(
             m, tok, presets=presets, configs=configs, baselines=baselines, context=context, text=text,
@@ -88,12 +90,3 @@ def eval_command(model, presets, configs, context, text_file, json_out, plot_out
         plot_results(rows, plot_out)
         click.echo(f"wrote {plot_out}")
 
-
-def _load(model, device, load_in_4bit, load_in_8bit):
-    from kvcompress.models import ModelLoadError, load_model, weight_quantization_kwargs
-
-    try:
-        kwargs = weight_quantization_kwargs(load_in_4bit, load_in_8bit)
-        return load_model(model, device=None if kwargs else device, **kwargs)
-    except ModelLoadError as e:
-        raise click.ClickException(str(e))

@@ -14,7 +14,12 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from kvcompress.evaluation.baselines import BaselineUnavailable, baseline_factory, parse_baselines, tensor_memory
+from kvcompress.evaluation.baselines import (
+    BaselineUnavailable,
+    baseline_factory,
+    parse_baselines,
+    tensor_memory,
+)
 from kvcompress.evaluation.passkey import passkey_accuracy
 from kvcompress.evaluation.perplexity import context_ids, perplexity
 

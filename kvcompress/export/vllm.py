@@ -12,9 +12,13 @@ from __future__ import annotations
 import json
 import os
 
-
 from kvcompress.config import KVCompressConfig
-from kvcompress.export.common import ExportResult, fp8_scales_for_export, write_json_atomic, write_safetensors_atomic
+from kvcompress.export.common import (
+    ExportResult,
+    fp8_scales_for_export,
+    write_json_atomic,
+    write_safetensors_atomic,
+)
 
 SCALES_FILE = "kv_cache_scales.safetensors"
 

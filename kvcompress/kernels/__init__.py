@@ -9,7 +9,11 @@ Nothing here imports Triton at module import time; the *_triton modules are load
 """
 
 from kvcompress.kernels.backend import select_backend
-from kvcompress.kernels.decode_attention import decode_attention, decode_attention_torch, layer_decode_attention
+from kvcompress.kernels.decode_attention import (
+    decode_attention,
+    decode_attention_torch,
+    layer_decode_attention,
+)
 from kvcompress.kernels.parts import AttentionParts, PackedStream, layer_parts
 from kvcompress.kernels.quest import quest_page_scores_torch, quest_select_pages
 

@@ -20,8 +20,11 @@ import triton.language as tl
 
 from kvcompress.kernels.parts import AttentionParts
 from kvcompress.kernels.streams import (
-    KIND_DENSE, KIND_INT, KIND_NUQ,
-    StreamArgs, stream_args,
+    KIND_DENSE,
+    KIND_INT,
+    KIND_NUQ,
+    StreamArgs,
+    stream_args,
 )
 
 LOG2E = 1.4426950408889634  # 1/ln(2): softmax in base 2

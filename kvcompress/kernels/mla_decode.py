@@ -25,6 +25,7 @@ import torch
 
 from kvcompress.quant.pack import unpack
 
+
 @dataclass
 class MlaLatent:
     """The cached latent of one layer, as stored (one shared head, so no head dim).

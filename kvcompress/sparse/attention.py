@@ -26,7 +26,7 @@ def attend_torch(query: torch.Tensor, layer, scaling: float) -> tuple[torch.Tens
     step = layer.sparse.step
     k, v, mask = gather_step(step)  # [B, H, n, Dk], [B, H, n, Dv], [B, H, q, n]
     b, hq, q, _ = query.shape
-    h, n = k.shape[1], k.shape[2]
+    h = k.shape[1]
     g = hq // h
     outs, mass = [], None
     first_mass = q - step.mass_queries
