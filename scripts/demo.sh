@@ -2,7 +2,7 @@
 # Set up (if needed) and run the main job on the embedded default model (SmolLM2-135M-Instruct):
 # calibrate a nuq4 config on the shipped calibration text, then evaluate it against the presets and the
 # uncompressed cache on the (different) evaluation text: one table, a JSON file and a plot in out/.
-# A few minutes on a 2-core CPU. Extra arguments go to `kvcompress eval`.
+# Extra arguments go to `kvcompress eval`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
