@@ -15,24 +15,7 @@ from kvcompress.compat import with_cache
 from kvcompress.config import QuantSpec
 from kvcompress.quant.factory import make_codec
 
-
-def gaussian(shape, seed: int) -> torch.Tensor:
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
-
-
-def heavy_keys(shape, seed: int) -> torch.Tensor:
-    """Student-t with 3 degrees of freedom, 4 of the 64 channels scaled x20, like real keys."""
-    g = torch.Generator().manual_seed(seed)
-    z = torch.randn(shape, generator=g)
-    chi2 = torch.randn(*shape, 3, generator=g).pow(2).sum(-1)
-    x = z / (chi2 / 3).sqrt()
-    x[..., [3, 17, 40, 59]] *= 20
-    return x
-
-
-def sqnr_db(x: torch.Tensor, y: torch.Tensor) -> float:
-    x, y = x.double(), y.double()
-    return float(10 * torch.log10(x.pow(2).sum() / (x - y).pow(2).sum()))
+from quant_data import gaussian, heavy_keys, sqnr_db
 
 
 def bnb_codec(quant_type="nf4", blocksize=64, head_dim=64, num_heads=2, page_size=64):

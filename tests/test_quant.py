@@ -15,31 +15,14 @@ from kvcompress.config import LayerPolicy, QuantSpec
 from kvcompress.quant.factory import make_codec
 from kvcompress.quant.pack import pack, packed_width, unpack
 
+from quant_data import gaussian, heavy_keys, sqnr_db
+
 # ---------------------------------------------------------------------------------------------
 # data
 
 
-def gaussian(shape, seed: int) -> torch.Tensor:
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
-
-
-def heavy_keys(shape, seed: int) -> torch.Tensor:
-    """Student-t with 3 degrees of freedom, and 4 of the 64 channels scaled x20, like real keys."""
-    g = torch.Generator().manual_seed(seed)
-    z = torch.randn(shape, generator=g)
-    chi2 = torch.randn(*shape, 3, generator=g).pow(2).sum(-1)
-    x = z / (chi2 / 3).sqrt()
-    x[..., [3, 17, 40, 59]] *= 20
-    return x
-
-
 SHAPE = (1, 2, 256, 64)  # [B, H, T, D]: 32k elements, SQNR estimates stable to ~0.1 dB
 DATA = {"gauss": gaussian(SHAPE, 0), "heavy": heavy_keys(SHAPE, 1)}
-
-
-def sqnr_db(x: torch.Tensor, y: torch.Tensor) -> float:
-    x, y = x.double(), y.double()
-    return float(10 * torch.log10(x.pow(2).sum() / (x - y).pow(2).sum()))
 
 
 def codec_for(spec: QuantSpec, page_size: int, x: torch.Tensor, tensors=None):
