@@ -24,22 +24,42 @@ import torch
 from kvcompress.config import QuantSpec
 from kvcompress.kernels.decode_attention import decode_attention_torch
 from kvcompress.kernels.parts import AttentionParts, PackedStream
+from kvcompress.kernels.quest import quest_select_pages
 from kvcompress.quant.factory import make_codec
 
 HQ, HKV, D = 32, 8, 128
 DTYPE = torch.bfloat16
 SCALING = 1 / math.sqrt(D)
-METHODS = {  # key spec, value spec, page size, sinks, tail tokens held in bf16
-    "int4": (QuantSpec(method="int", bits=4, axis="channel"), QuantSpec(method="int", bits=4, group_size=32), 32, 0, 160),
-    "nuq4": (QuantSpec(method="nuq", bits=4, axis="channel", outlier_fraction=0.01),
-             QuantSpec(method="nuq", bits=4, axis="token", outlier_fraction=0.01), 64, 4, 32),
-    "fp8": (QuantSpec(method="fp8"), QuantSpec(method="fp8"), 16, 0, 8),
-}
+CODECS = ("int4", "nuq4", "fp8")  # the presets of those names, as a Llama-3.1-8B model gets them
+
+
+def preset_policy(name: str):
+    """The preset's layer policy for a Llama-3.1-8B-shaped config (what the cache would hold)."""
+    from transformers import LlamaConfig
+
+    from kvcompress.config import KVCompressConfig
+
+    cfg = LlamaConfig(num_hidden_layers=1, hidden_size=4096, num_attention_heads=HQ, num_key_value_heads=HKV,
+                      head_dim=D, intermediate_size=14336)
+    return KVCompressConfig.from_preset(name, cfg).layers[0]
+
+
+def method_spec(name: str):
+    """key spec, value spec, page size, sinks, tail tokens (the residual window half full, on average).
+    "NAME-noout": the preset without outliers (to see what they cost)."""
+    from dataclasses import replace
+
+    p = preset_policy(name.removesuffix("-noout"))
+    if name.endswith("-noout"):
+        p = replace(p, key=replace(p.key, outlier_fraction=0.0), value=replace(p.value, outlier_fraction=0.0))
+    return p.key, p.value, p.page_size, p.sinks, max(p.residual // 2, 1)
+
+
 QUEST_TOKENS = 2048
 
 
 def build_parts(method: str, b: int, n: int, seed: int = 0) -> AttentionParts:
-    key_spec, value_spec, page, sinks, tail = METHODS[method]
+    key_spec, value_spec, page, sinks, tail = method_spec(method)
     g = torch.Generator(device="cuda").manual_seed(seed)
     chunk = min(n, 4096)
     assert n % chunk == 0 and chunk % page == 0
@@ -130,7 +150,7 @@ def check_on_gpu(codecs=None) -> list[str]:
                 worst[key] = max(worst.get(key, 0.0), err) if ok else float("nan")
     from kvcompress.kernels.page_encode import encode_pages_triton
 
-    for spec in (QuantSpec(method="fp8"), QuantSpec(method="int", bits=4, axis="channel"),
+    for spec in (QuantSpec(method="fp8", fp8_format="e5m2"), QuantSpec(method="int", bits=4, axis="channel"),
                  QuantSpec(method="int", bits=4, group_size=32), QuantSpec(method="int", bits=2, group_size=32)):
         codec = make_codec(spec, page_size=32, head_dim=128, num_heads=8, dtype=DTYPE, tensors={}, seed=0)
         x = (torch.randn(4, 8, 256, 128, device="cuda") * 3).to(DTYPE)
@@ -143,12 +163,12 @@ def check_on_gpu(codecs=None) -> list[str]:
 
 
 # -- the benchmark ---------------------------------------------------------------------------------------
-def run(contexts, batches, n_iter, configs) -> list[dict]:
+def run(contexts, batches, n_iter, configs, methods) -> list[dict]:
     from kvcompress.kernels.decode_attention_triton import decode_attention_triton
 
     bw = copy_bandwidth()
     print(f"device-to-device copy: {bw / 1e12:.2f} TB/s", flush=True)
-    rows = []
+    rows, appends = [], []
     free = torch.cuda.mem_get_info()[0]
     for n in contexts:
         for b in batches:
@@ -169,7 +189,7 @@ def run(contexts, batches, n_iter, configs) -> list[dict]:
             base = median_ms(sdpa, n_iter)
             rows.append(dict(ctx=n, batch=b, method="bf16 sdpa", ms=base, bytes=dense_bytes, base=base))
             del k, v
-            for method in ("int4", "nuq4", "fp8", "nuq4+quest2048"):
+            for method in methods:
                 codec = method.split("+")[0]
                 parts = [build_parts(codec, b, n, seed=c) for c in range(copies)]
                 page = parts[0].key.page_size
@@ -179,20 +199,32 @@ def run(contexts, batches, n_iter, configs) -> list[dict]:
                     pick = torch.rand(b, HKV, n // page, device="cuda").topk(n_sel, -1).indices.sort(-1).values
                     page_list = pick.to(torch.int32)
                 nbytes = bytes_read(parts[0], page_list)
+                select = None
+                if page_list is not None:  # Quest's page scoring + top-k on the GPU are part of the step
+                    lo, hi = quest_summaries(b, n // page, page)
+                    nbytes += 2 * lo.numel() * lo.element_size()
+
+                    def select(j):
+                        return quest_select_pages(q[j], lo, hi, page_list.shape[2], backend="triton")
+
+                def step(i, cfg):
+                    j = i % copies
+                    pl = page_list if select is None else select(j)
+                    return decode_attention_triton(q[j], parts[j], SCALING, pl, **cfg)
+
                 best = None
                 for cfg in configs:
                     try:
-                        ms = median_ms(lambda i: decode_attention_triton(
-                            q[i % copies], parts[i % copies], SCALING, page_list, **cfg), n_iter)
+                        ms = median_ms(lambda i: step(i, cfg), n_iter)
                     except Exception as e:  # a config the compiler rejects is reported, not hidden
                         print(f"  {method} {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
                         continue
+                    print(f"  {n} x {b} {method} {cfg}: {ms:.3f} ms", flush=True)
                     if best is None or ms < best[0]:
                         best = (ms, cfg)
                 rows.append(dict(ctx=n, batch=b, method=f"fused {method}", ms=best[0], bytes=nbytes, base=base,
                                  cfg=best[1]))
-                graph_ms = graph_time(lambda: decode_attention_triton(q[0], parts[0], SCALING, page_list, **best[1]),
-                                      n_iter)
+                graph_ms = graph_time(lambda: step(0, best[1]), n_iter)
                 if graph_ms is not None:
                     rows.append(dict(ctx=n, batch=b, method=f"fused {method} graph", ms=graph_ms, bytes=nbytes,
                                      base=base, cfg=best[1]))
@@ -211,6 +243,8 @@ def run(contexts, batches, n_iter, configs) -> list[dict]:
                     except torch.OutOfMemoryError:
                         print(f"  dequant+sdpa {method} {n} x {b}: out of memory", flush=True)
                     torch.cuda.empty_cache()
+                if method in CODECS:
+                    appends.append(dict(ctx=n, batch=b, method=method, attn_ms=best[0], **append_ms(method, b, n_iter)))
                 del parts
                 torch.cuda.empty_cache()
             for r in rows[-12:]:
@@ -220,7 +254,34 @@ def run(contexts, batches, n_iter, configs) -> list[dict]:
             torch.cuda.empty_cache()
     for r in rows:
         r["bw_share"] = r["bytes"] / (r["ms"] * 1e-3) / bw
-    return rows, bw
+    return rows, appends, bw
+
+
+def quest_summaries(b: int, n_pages: int, page: int):
+    """Per-page min / max keys [B, Hkv, n_pages, D] float32, as the Quest policy holds them."""
+    mid = torch.randn(b, HKV, n_pages, D, device="cuda")
+    half = torch.rand(b, HKV, n_pages, D, device="cuda")
+    return mid - half, mid + half
+
+
+def append_ms(method: str, b: int, n_iter: int) -> dict:
+    """The append path per decode step: the new token joins the tail (a copy of the tail, as the cache
+    does) and every P steps one page of P tokens is encoded for K and V (encode_pages on the selected
+    backend: Triton for FP8 and integers, the codec's torch encode for NUQ). Amortized per step."""
+    from kvcompress.kernels.page_encode import encode_pages
+
+    key_spec, value_spec, page, _, _ = method_spec(method)
+    streams = []
+    for s, spec in enumerate((key_spec, value_spec)):
+        codec = make_codec(spec, page_size=page, head_dim=D, num_heads=HKV, dtype=DTYPE, tensors={}, seed=s).to("cuda")
+        x = torch.randn(b, HKV, page, D, device="cuda", dtype=DTYPE)
+        streams.append((codec, x, codec.prepare(x)))
+    encode = median_ms(lambda i: [encode_pages(c, x, r) for c, x, r in streams], n_iter)
+    residual = preset_policy(method).residual
+    tail = torch.randn(b, HKV, residual, D, device="cuda", dtype=DTYPE)
+    new = torch.randn(b, HKV, 1, D, device="cuda", dtype=DTYPE)
+    join = median_ms(lambda i: (torch.cat([tail, new], 2), torch.cat([tail, new], 2)), n_iter)
+    return dict(encode_page_ms=encode, per_step_ms=join + encode / page, page=page)
 
 
 def graph_time(fn, n_iter):
@@ -240,7 +301,8 @@ def graph_time(fn, n_iter):
 def fmt_row(r, bw):
     share = r["bytes"] / (r["ms"] * 1e-3) / bw
     cfg = r.get("cfg")
-    cfg = "" if not cfg else f"bn{cfg['block_n']} w{cfg['num_warps']} s{cfg['num_stages']}"
+    cfg = "" if not cfg else f"bn{cfg['block_n']} w{cfg['num_warps']} s{cfg['num_stages']}" + (
+        f" sp{cfg['splits']}" if "splits" in cfg else "")
     return (f"| {r['ctx']:>6} | {r['batch']:>3} | {r['method']:<26} | {r['ms']:9.3f} | {r['bytes'] / 1e6:10.1f} | "
             f"{share * 100:5.0f}% | {r['base'] / r['ms']:6.2f}x | {cfg} |")
 
@@ -257,15 +319,18 @@ def main():
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--check-codecs", nargs="+", default=None, help="codecs to check (default: all)")
     ap.add_argument("--configs", nargs="+", default=["64,4,2", "64,8,2", "128,4,2", "128,8,2", "64,4,3", "128,8,3"],
-                    help="fused-kernel configs block_n,num_warps,num_stages to sweep (the best is reported)")
+                    help="fused-kernel configs block_n,num_warps,num_stages[,splits per (batch, kv head)] to sweep "
+                         "(the best is reported)")
+    ap.add_argument("--methods", nargs="+", default=["int4", "nuq4", "fp8", "nuq4+quest2048"],
+                    help="presets to time (NAME+quest2048: with a Quest page list; NAME-noout: without outliers)")
     ap.add_argument("--out", default=None, help="write the markdown table here too")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
     lines = [] if args.no_check else check_on_gpu(args.check_codecs)
     for line in lines:
         print(line, flush=True)
-    configs = [dict(zip(("block_n", "num_warps", "num_stages"), map(int, c.split(",")))) for c in args.configs]
-    rows, bw = run(args.contexts, args.batches, args.iters, configs)
+    configs = [dict(zip(("block_n", "num_warps", "num_stages", "splits"), map(int, c.split(",")))) for c in args.configs]
+    rows, appends, bw = run(args.contexts, args.batches, args.iters, configs, args.methods)
     import triton
 
     head = [
@@ -275,7 +340,12 @@ def main():
         f"device-to-device copy bandwidth (read + write): {bw / 1e12:.2f} TB/s",
         "",
     ]
-    table = "\n".join(head + lines + ["", HEADER] + [fmt_row(r, bw) for r in rows])
+    append_lines = ["", "Append (per decode step: tail join + one page encoded every P steps, K and V):", "",
+                    "| ctx | batch | codec | encode one page (ms) | per step (ms) | of the fused attention |",
+                    "|---:|---:|---|---:|---:|---:|"]
+    append_lines += [f"| {a['ctx']} | {a['batch']} | {a['method']} | {a['encode_page_ms']:.3f} | {a['per_step_ms']:.4f} | "
+                     f"{100 * a['per_step_ms'] / a['attn_ms']:.1f}% |" for a in appends]
+    table = "\n".join(head + lines + ["", HEADER] + [fmt_row(r, bw) for r in rows] + append_lines)
     print("\n" + table)
     if args.out:
         with open(args.out, "w") as f:

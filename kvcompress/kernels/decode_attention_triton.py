@@ -485,6 +485,17 @@ def decode_attention_triton(
             sink_v, tail_v = _rotate(sink_v, value_args.rotation_signs), _rotate(tail_v, value_args.rotation_signs)
     sink_k, sink_v, tail_k, tail_v = map(_rows_contiguous, (sink_k, sink_v, tail_k, tail_v))
 
+    # the fast kernel when both streams fold (decode_paged_triton), else the general one
+    from kvcompress.kernels.decode_paged_triton import _paged_split_kernel, paged_block, paged_supported, phases
+
+    kernel, extra = _decode_split_kernel, {}
+    if key_args is not None and paged_supported(key_args, dk, page_size, True) and paged_supported(
+            value_args, dv, page_size, False):
+        block_n, ppi = paged_block(key_args, value_args, page_size, block_n)
+        phk, phv = phases(key_args), phases(value_args)
+        kernel, extra = _paged_split_kernel, dict(PHK=phk, PHV=phv, WK=dk // phk, WV=dv // phv, PPI=ppi,
+                                                  QR=max(16, _next_pow2(ppi * group)))
+
     # body geometry and splits
     has_outliers = key_args is not None and (key_args.n_outliers or value_args.n_outliers)
     if has_outliers and block_n % page_size and page_size % block_n:
@@ -519,7 +530,7 @@ def decode_attention_triton(
         scores = m_part
     dummy_stream = [q, 0, 0, 0, q, q, 0, 0, 0, 0, q, 0, q, q, 0, 0, 0]
     grid = (b * hkv, n_splits)
-    _decode_split_kernel[grid](
+    kernel[grid](
         q, q.stride(0), q.stride(1),
         *(_stream_launch_args(key_args) if key_args else dummy_stream),
         *(_stream_launch_args(value_args) if value_args else dummy_stream),
@@ -537,7 +548,7 @@ def decode_attention_triton(
         HAS_BODY=key_args is not None, HAS_LENS=parts.body_lengths is not None,
         HAS_PL=page_list is not None and key_args is not None, WRITE_SCORES=return_probs,
         DOT_FP32=dtype == torch.float32, DT=_DOT_DTYPES[dtype],
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **extra,
     )
     out = torch.empty(b, hq, dv, device=dev, dtype=q.dtype)
     lse = torch.empty(b, hq, device=dev, dtype=torch.float32)
@@ -550,3 +561,4 @@ def decode_attention_triton(
         return out, None
     probs = torch.exp2(scores - lse[..., None]).view(b, hkv, group, n_pos).sum(2)
     return out, probs
+
