@@ -46,12 +46,14 @@ def preset_policy(name: str):
 
 def method_spec(name: str):
     """key spec, value spec, page size, sinks, tail tokens (the residual window half full, on average).
-    "NAME-noout": the preset without outliers (to see what they cost)."""
+    "NAME-noout": the preset without outliers (to see what they cost); "NAME-vtok": values scaled per token."""
     from dataclasses import replace
 
-    p = preset_policy(name.removesuffix("-noout"))
+    p = preset_policy(name.removesuffix("-noout").removesuffix("-vtok"))
     if name.endswith("-noout"):
         p = replace(p, key=replace(p.key, outlier_fraction=0.0), value=replace(p.value, outlier_fraction=0.0))
+    if name.endswith("-vtok"):  # values scaled per whole token (no channel groups)
+        p = replace(p, value=replace(p.value, group_size=D))
     return p.key, p.value, p.page_size, p.sinks, max(p.residual // 2, 1)
 
 
@@ -302,7 +304,8 @@ def fmt_row(r, bw):
     share = r["bytes"] / (r["ms"] * 1e-3) / bw
     cfg = r.get("cfg")
     cfg = "" if not cfg else f"bn{cfg['block_n']} w{cfg['num_warps']} s{cfg['num_stages']}" + (
-        f" sp{cfg['splits']}" if "splits" in cfg else "")
+        f" sp{cfg['splits']}" if "splits" in cfg else "") + (f" {cfg['lut']}" if "lut" in cfg else "") + (
+        f" {cfg['value_groups']}" if "value_groups" in cfg else "")
     return (f"| {r['ctx']:>6} | {r['batch']:>3} | {r['method']:<26} | {r['ms']:9.3f} | {r['bytes'] / 1e6:10.1f} | "
             f"{share * 100:5.0f}% | {r['base'] / r['ms']:6.2f}x | {cfg} |")
 
@@ -319,8 +322,8 @@ def main():
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--check-codecs", nargs="+", default=None, help="codecs to check (default: all)")
     ap.add_argument("--configs", nargs="+", default=["64,4,2", "64,8,2", "128,4,2", "128,8,2", "64,4,3", "128,8,3"],
-                    help="fused-kernel configs block_n,num_warps,num_stages[,splits per (batch, kv head)] to sweep "
-                         "(the best is reported)")
+                    help="fused-kernel configs to sweep (the best is reported): block_n,num_warps,num_stages"
+                         "[,splits per (batch, kv head)[,lut gather|select[,value_groups gather|dots]]]")
     ap.add_argument("--methods", nargs="+", default=["int4", "nuq4", "fp8", "nuq4+quest2048"],
                     help="presets to time (NAME+quest2048: with a Quest page list; NAME-noout: without outliers)")
     ap.add_argument("--out", default=None, help="write the markdown table here too")
@@ -329,7 +332,10 @@ def main():
     lines = [] if args.no_check else check_on_gpu(args.check_codecs)
     for line in lines:
         print(line, flush=True)
-    configs = [dict(zip(("block_n", "num_warps", "num_stages", "splits"), map(int, c.split(",")))) for c in args.configs]
+    configs = []
+    for c in args.configs:
+        cfg = dict(zip(("block_n", "num_warps", "num_stages", "splits", "lut", "value_groups"), c.split(",")))
+        configs.append({k: (v if k in ("lut", "value_groups") else int(v)) for k, v in cfg.items()})
     rows, appends, bw = run(args.contexts, args.batches, args.iters, configs, args.methods)
     import triton
 

@@ -143,11 +143,11 @@ def test_probs_are_the_attention_weights():
 
 
 # -- Triton against the torch twin (same packed data) ---------------------------------------------------
-def check_triton(parts, q, page_list=None, block_n=16, tol=1e-3):
+def check_triton(parts, q, page_list=None, block_n=16, tol=1e-3, **kw):
     from kvcompress.kernels.decode_attention_triton import decode_attention_triton
 
     want, want_p = decode_attention_torch(q, parts, 0.125, page_list, return_probs=True)
-    got, got_p = decode_attention_triton(q, parts, 0.125, page_list, return_probs=True, block_n=block_n)
+    got, got_p = decode_attention_triton(q, parts, 0.125, page_list, return_probs=True, block_n=block_n, **kw)
     assert torch.isfinite(got).all()
     assert rel_err(got, want) <= tol, rel_err(got, want)
     assert rel_err(got_p, want_p) <= tol, rel_err(got_p, want_p)
@@ -179,6 +179,22 @@ def test_triton_tiles_of_several_pages(name, with_pages):
     parts = make_parts(name, b=2, hkv=2, d=64, pages=7, page=16, lengths=[112, 53], seed=30)
     q = torch.randn(2, 6, 64, generator=torch.Generator().manual_seed(31))
     check_triton(parts, q, random_page_list(2, 2, 7, 5, seed=32) if with_pages else None, block_n=64)
+
+
+@needs_triton
+@pytest.mark.parametrize("name", ["nuq4-page", "nuq2", "nuq4"])
+def test_triton_codebook_by_selects(name):
+    """The codebook read through a tree of selects (lut="select") equals the twin."""
+    parts = make_parts(name, b=2, hkv=2, d=64, pages=3, lengths=[48, 29], seed=33)
+    check_triton(parts, torch.randn(2, 6, 64, generator=torch.Generator().manual_seed(34)), lut="select")
+
+
+@needs_triton
+@pytest.mark.parametrize("name", ["int4", "int2"])
+def test_triton_value_groups_by_dots(name):
+    """KIVI values (scales per token and group of 32 channels) by one dot per group."""
+    parts = make_parts(name, b=2, hkv=2, d=128, pages=3, lengths=[48, 29], seed=35)
+    check_triton(parts, torch.randn(2, 6, 128, generator=torch.Generator().manual_seed(36)), value_groups="dots")
 
 
 @needs_triton

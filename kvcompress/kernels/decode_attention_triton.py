@@ -444,16 +444,22 @@ def decode_attention_triton(
     page_list: torch.Tensor | None = None,
     return_probs: bool = False,
     *,
-    block_n: int = 64,
+    block_n: int | None = None,
     num_warps: int = 4,
-    num_stages: int = 2,
+    num_stages: int = 3,
     splits: int | None = None,
+    lut: str = "select",
+    value_groups: str = "gather",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Fused decode attention; same signature and result as `decode_attention_torch`.
 
     q [B, Hq, Dk]; parts: see AttentionParts; page_list [B, Hkv, n_sel] (Quest); returns
     (out [B, Hq, Dv] in q.dtype, probs [B, Hkv, S+N+T] fp32 or None). Tuning: block_n body tokens per
-    step, num_warps / num_stages of the split kernel, splits per (batch, kv head) (None: fill the GPU).
+    step (None: 64 with outliers, else 128), num_warps / num_stages of the split kernel, splits per
+    (batch, kv head) (None: 16 per multiprocessor over all (batch, kv head) pairs),
+    lut: how the fast kernel reads nuq codebooks ("gather": a load per element, "select": a select tree);
+    value_groups: per-token scales of channel groups (KIVI values) as "gather" (a load per element) or
+    "dots" (one dot per group, the scales folded into the probabilities).
     """
     b, hq, dk = q.shape
     hkv = parts.kv_heads
@@ -489,12 +495,16 @@ def decode_attention_triton(
     from kvcompress.kernels.decode_paged_triton import _paged_split_kernel, paged_block, paged_supported, phases
 
     kernel, extra = _decode_split_kernel, {}
-    if key_args is not None and paged_supported(key_args, dk, page_size, True) and paged_supported(
-            value_args, dv, page_size, False):
+    paged = key_args is not None and paged_supported(key_args, dk, page_size, True) and paged_supported(
+        value_args, dv, page_size, False)
+    if block_n is None:  # measured on an H200 (BENCHMARKS.md): 64 with outliers (128 spills), else 128
+        block_n = 128 if paged and not (key_args.n_outliers or value_args.n_outliers) else 64
+    if paged:
         block_n, ppi = paged_block(key_args, value_args, page_size, block_n)
         phk, phv = phases(key_args), phases(value_args)
         kernel, extra = _paged_split_kernel, dict(PHK=phk, PHV=phv, WK=dk // phk, WV=dv // phv, PPI=ppi,
-                                                  QR=max(16, _next_pow2(ppi * group)))
+                                                  QR=max(16, _next_pow2(ppi * group)), LUT_SELECT=lut == "select",
+                                                  GROUP_DOTS=value_groups == "dots")
 
     # body geometry and splits
     has_outliers = key_args is not None and (key_args.n_outliers or value_args.n_outliers)
@@ -510,7 +520,7 @@ def decode_attention_triton(
         n_logical = n_body
         pl_args = [q, 0, 0, 0]
     if splits is None:
-        splits = max(1, -(-4 * _num_sms(dev) // (b * hkv)))
+        splits = max(1, -(-16 * _num_sms(dev) // (b * hkv)))
     n_blocks = -(-n_logical // block_n)
     splits = max(1, min(splits, n_blocks))
     tokens_per_split = -(-n_blocks // splits) * block_n

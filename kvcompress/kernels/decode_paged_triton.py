@@ -77,6 +77,31 @@ def _phase(bytes_tile, J: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
+def _lut(c, cb, KIND: tl.constexpr, BITS: tl.constexpr, SELECT: tl.constexpr):
+    """value(code): for nuq with SELECT, a tree of selects over the 2^BITS levels held in registers (no
+    per-element load); otherwise `_value_of` (a gather from the codebook for nuq)."""
+    if KIND == 4 and SELECT and BITS <= 4:
+        b0 = (c & 1) != 0
+        v0 = tl.where(b0, tl.load(cb + 1), tl.load(cb + 0))
+        v1 = tl.where(b0, tl.load(cb + 3), tl.load(cb + 2))
+        x = tl.where((c & 2) != 0, v1, v0)
+        if BITS == 4:
+            v2 = tl.where(b0, tl.load(cb + 5), tl.load(cb + 4))
+            v3 = tl.where(b0, tl.load(cb + 7), tl.load(cb + 6))
+            v4 = tl.where(b0, tl.load(cb + 9), tl.load(cb + 8))
+            v5 = tl.where(b0, tl.load(cb + 11), tl.load(cb + 10))
+            v6 = tl.where(b0, tl.load(cb + 13), tl.load(cb + 12))
+            v7 = tl.where(b0, tl.load(cb + 15), tl.load(cb + 14))
+            b1 = (c & 2) != 0
+            lo = tl.where((c & 4) != 0, tl.where(b1, v3, v2), x)
+            hi = tl.where((c & 4) != 0, tl.where(b1, v7, v6), tl.where(b1, v5, v4))
+            x = tl.where((c & 8) != 0, hi, lo)
+    else:
+        x = _value_of(c, cb, KIND)
+    return x
+
+
+@triton.jit
 def _q_phase(q_rows, r_ok, J: tl.constexpr, PH: tl.constexpr, W: tl.constexpr):
     ch = tl.arange(0, W) * PH + J
     return tl.load(q_rows + ch[None, :], mask=r_ok[:, None], other=0.0).to(tl.float32)  # [QR, W]
@@ -86,14 +111,14 @@ def _q_phase(q_rows, r_ok, J: tl.constexpr, PH: tl.constexpr, W: tl.constexpr):
 def _key_phase_scores(s, qz, qj, kb, kcb, ks, kz, ks_sn, ks_sc, row_page, row_page_ok,
                       J: tl.constexpr, PH: tl.constexpr, W: tl.constexpr,
                       KIND: tl.constexpr, BITS: tl.constexpr, SCALE_AT: tl.constexpr, HAS_ZERO: tl.constexpr,
-                      DOT_FP32: tl.constexpr, DT: tl.constexpr):
+                      DOT_FP32: tl.constexpr, DT: tl.constexpr, SELECT: tl.constexpr):
     """s += (q_J * scale_J) . value(codes_J); qz += q_J . zero_J (per-channel scales only).
     qj [QR, W]: query rows (stacked per page slot when scales are per page: row_page [QR] is the page
     whose scales fold into that row)."""
     # integer codes are centred (c - 2^(b-1)) so that the bf16 dot does not subtract two large sums;
     # the shift goes into the zero term: c*s + z = (c - C)*s + (z + C*s)
     CENTER: tl.constexpr = (1 << (BITS - 1)) if KIND == 3 else 0
-    x = _value_of(_phase(kb, J, BITS), kcb, KIND) - CENTER  # [BN, W] before scale
+    x = _lut(_phase(kb, J, BITS), kcb, KIND, BITS, SELECT) - CENTER  # [BN, W] before scale
     q_use = qj
     ch = tl.arange(0, W) * PH + J
     if SCALE_AT == 2:  # per page and channel: each query row folds its own page's scales
@@ -116,9 +141,10 @@ def _key_phase_scores(s, qz, qj, kb, kcb, ks, kz, ks_sn, ks_sc, row_page, row_pa
 def _value_phase(acc, pv, vb, vcb, vs, vz, vs_sn, vs_sc, tok2, ok2,
                  J: tl.constexpr, PH: tl.constexpr, W: tl.constexpr, P: tl.constexpr,
                  KIND: tl.constexpr, BITS: tl.constexpr, SCALE_AT: tl.constexpr, GROUP: tl.constexpr,
-                 HAS_ZERO: tl.constexpr, DV: tl.constexpr, DOT_FP32: tl.constexpr, DT: tl.constexpr):
+                 HAS_ZERO: tl.constexpr, DV: tl.constexpr, DOT_FP32: tl.constexpr, DT: tl.constexpr,
+                 SELECT: tl.constexpr, GROUP_DOTS: tl.constexpr):
     """acc_J += pv . value(codes_J) (with per-channel or per-group scales applied to the tile)."""
-    x = _value_of(_phase(vb, J, BITS), vcb, KIND)  # [BN, W]
+    x = _lut(_phase(vb, J, BITS), vcb, KIND, BITS, SELECT)  # [BN, W]
     if SCALE_AT == 1 and GROUP == DV and KIND == 3:  # folded per-token scales: centred codes (see caller)
         x = x - (1 << (BITS - 1))
     ch = tl.arange(0, W) * PH + J
@@ -132,6 +158,17 @@ def _value_phase(acc, pv, vb, vcb, vs, vz, vs_sn, vs_sc, tok2, ok2,
         if HAS_ZERO:
             x = x + tl.load(vz + ch * vs_sc).to(tl.float32)[None, :]
     elif SCALE_AT == 1 and GROUP < DV:  # per token and group of channels (KIVI values)
+        if GROUP_DOTS:  # one dot per channel group, the group's scales folded into the probabilities
+            grp = (ch // GROUP)[None, :]
+            for gi in tl.static_range(DV // GROUP):
+                sg = tl.load(vs + tok2 * vs_sn + gi * vs_sc, mask=ok2, other=0.0).to(tl.float32)  # [BN, 1]
+                xm = tl.where(grp == gi, x, 0.0)
+                acc += _dot(_cast(pv * tl.trans(sg), DOT_FP32, DT), _cast(xm, DOT_FP32, DT), DOT_FP32)
+                if HAS_ZERO:
+                    zg = tl.load(vz + tok2 * vs_sn + gi * vs_sc, mask=ok2, other=0.0).to(tl.float32)
+                    pz = tl.sum(pv * tl.trans(zg), 1)  # [GP]
+                    acc += tl.where(grp == gi, pz[:, None], 0.0)
+            return acc
         off = tok2 * vs_sn + (ch // GROUP)[None, :] * vs_sc
         x = x * tl.load(vs + off, mask=ok2, other=0.0).to(tl.float32)
         if HAS_ZERO:
@@ -173,7 +210,7 @@ def _paged_split_kernel(
     HAS_BODY: tl.constexpr, HAS_LENS: tl.constexpr, HAS_PL: tl.constexpr, WRITE_SCORES: tl.constexpr,
     DOT_FP32: tl.constexpr, DT: tl.constexpr,
     PHK: tl.constexpr, PHV: tl.constexpr, WK: tl.constexpr, WV: tl.constexpr, PPI: tl.constexpr,
-    QR: tl.constexpr,
+    QR: tl.constexpr, LUT_SELECT: tl.constexpr, GROUP_DOTS: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -268,15 +305,15 @@ def _paged_split_kernel(
             s = tl.zeros([QR, BN], tl.float32)
             qz = tl.zeros([QR], tl.float32)
             s, qz = _key_phase_scores(s, qz, q0, kb, kcb, ks, kz, ks_sn, ks_sc, row_page, row_page_ok, 0, PHK, WK,
-                                      K_KIND, K_BITS, K_SCALE_AT, K_HAS_ZERO, DOT_FP32, DT)
+                                      K_KIND, K_BITS, K_SCALE_AT, K_HAS_ZERO, DOT_FP32, DT, LUT_SELECT)
             if PHK > 1:
                 s, qz = _key_phase_scores(s, qz, q1, kb, kcb, ks, kz, ks_sn, ks_sc, row_page, row_page_ok, 1, PHK, WK,
-                                          K_KIND, K_BITS, K_SCALE_AT, K_HAS_ZERO, DOT_FP32, DT)
+                                          K_KIND, K_BITS, K_SCALE_AT, K_HAS_ZERO, DOT_FP32, DT, LUT_SELECT)
             if PHK > 2:
                 s, qz = _key_phase_scores(s, qz, q2, kb, kcb, ks, kz, ks_sn, ks_sc, row_page, row_page_ok, 2, PHK, WK,
-                                          K_KIND, K_BITS, K_SCALE_AT, K_HAS_ZERO, DOT_FP32, DT)
+                                          K_KIND, K_BITS, K_SCALE_AT, K_HAS_ZERO, DOT_FP32, DT, LUT_SELECT)
                 s, qz = _key_phase_scores(s, qz, q3, kb, kcb, ks, kz, ks_sn, ks_sc, row_page, row_page_ok, 3, PHK, WK,
-                                          K_KIND, K_BITS, K_SCALE_AT, K_HAS_ZERO, DOT_FP32, DT)
+                                          K_KIND, K_BITS, K_SCALE_AT, K_HAS_ZERO, DOT_FP32, DT, LUT_SELECT)
             s += qz[:, None]
             if PPI > 1:  # each token's score from the rows of its own page slot
                 s = tl.where(slot[:, None] == (rows // P)[None, :], s, 0.0)
@@ -329,15 +366,19 @@ def _paged_split_kernel(
             elif V_SCALE_AT == 4:
                 pv = p * tl.load(vs).to(tl.float32)
             acc0 = _value_phase(acc0, pv, vb, vcb, vs, vz, vs_sn, vs_sc, tok2, ok2, 0, PHV, WV, P,
-                                V_KIND, V_BITS, V_SCALE_AT, V_GROUP, V_HAS_ZERO, DV, DOT_FP32, DT)
+                                V_KIND, V_BITS, V_SCALE_AT, V_GROUP, V_HAS_ZERO, DV, DOT_FP32, DT, LUT_SELECT,
+                                    GROUP_DOTS)
             if PHV > 1:
                 acc1 = _value_phase(acc1, pv, vb, vcb, vs, vz, vs_sn, vs_sc, tok2, ok2, 1, PHV, WV, P,
-                                    V_KIND, V_BITS, V_SCALE_AT, V_GROUP, V_HAS_ZERO, DV, DOT_FP32, DT)
+                                    V_KIND, V_BITS, V_SCALE_AT, V_GROUP, V_HAS_ZERO, DV, DOT_FP32, DT, LUT_SELECT,
+                                    GROUP_DOTS)
             if PHV > 2:
                 acc2 = _value_phase(acc2, pv, vb, vcb, vs, vz, vs_sn, vs_sc, tok2, ok2, 2, PHV, WV, P,
-                                    V_KIND, V_BITS, V_SCALE_AT, V_GROUP, V_HAS_ZERO, DV, DOT_FP32, DT)
+                                    V_KIND, V_BITS, V_SCALE_AT, V_GROUP, V_HAS_ZERO, DV, DOT_FP32, DT, LUT_SELECT,
+                                    GROUP_DOTS)
                 acc3 = _value_phase(acc3, pv, vb, vcb, vs, vz, vs_sn, vs_sc, tok2, ok2, 3, PHV, WV, P,
-                                    V_KIND, V_BITS, V_SCALE_AT, V_GROUP, V_HAS_ZERO, DV, DOT_FP32, DT)
+                                    V_KIND, V_BITS, V_SCALE_AT, V_GROUP, V_HAS_ZERO, DV, DOT_FP32, DT, LUT_SELECT,
+                                    GROUP_DOTS)
             if V_NOUT > 0:
                 r, d_o, delta, o_ok = _outlier_deltas(
                     VOI + b64 * vo_sb + h * vo_sh, VOV + b64 * vo_sb + h * vo_sh, vo_sp, vc, vc_sn, vs, vz, vs_sn,
