@@ -29,6 +29,18 @@ def config(name, spec):
     return KVCompressConfig(layout=layout, layers=[LayerPolicy(sparsity=spec) for _ in range(layout.num_layers)], name=name)
 
 
+def layered(name, method, ratios, **kw):
+    """One ratio per layer (1.0: the layer stays dense, counted as holding/reading the whole context)."""
+    specs = [SparsitySpec(method, ratio=r, **kw) if r < 1.0 else SparsitySpec() for r in ratios]
+    return KVCompressConfig(layout=layout, layers=[LayerPolicy(sparsity=s) for s in specs], name=name)
+
+
+def dense_first(n_dense, share):
+    """n_dense dense layers, the others at the ratio that keeps the mean over all layers at `share`."""
+    n = layout.num_layers
+    return [1.0] * n_dense + [(share * n - n_dense) / (n - n_dense)] * (n - n_dense)
+
+
 CONFIGS = {
     "h2o-50": "h2o-50",
     "h2o-25": config("h2o-25", SparsitySpec("h2o", ratio=0.25, page_size=16)),
@@ -36,11 +48,20 @@ CONFIGS = {
     "quest-25%": config("quest-25%", SparsitySpec("quest", ratio=0.25, page_size=8, dense_layers=2)),
     "snapkv-50": "snapkv-50",
     "streaming-50%": config("streaming-50%", SparsitySpec("streaming", ratio=0.5, sinks=4, page_size=16)),
+    # per-layer budgets at the same mean share (a dense layer counts as 100%)
+    "h2o-50-d2": layered("h2o-50-d2", "h2o", dense_first(2, 0.5), page_size=16),
+    "h2o-50-p8": config("h2o-50-p8", SparsitySpec("h2o", ratio=0.5, page_size=8)),
+    "quest-25-d4": layered("quest-25-d4", "quest", dense_first(4, 0.25), page_size=8),
 }
+# per-layer sensitivity probes: only layers a, a+1 sparse (at 25%), every other layer dense
+for _a in range(0, layout.num_layers, 2):
+    _r = [0.25 if i in (_a, _a + 1) else 1.0 for i in range(layout.num_layers)]
+    CONFIGS[f"probe-h2o-{_a}"] = layered(f"probe-h2o-{_a}", "h2o", _r, page_size=16)
+    CONFIGS[f"probe-quest-{_a}"] = layered(f"probe-quest-{_a}", "quest", _r, page_size=8)
 
 
 def ppl(cache):
-    half, nll, read = N // 2, 0.0, []
+    half, nll, read, held = N // 2, 0.0, [], []
     with torch.inference_mode():
         logits = model(ids[:, :half], **with_cache(cache)).logits[:, -1]
         for t in range(half, N):
@@ -50,22 +71,28 @@ def ppl(cache):
             logits = model(ids[:, t:t + 1], **with_cache(cache)).logits[:, -1]
             if hasattr(cache, "tokens_read_last_step"):
                 read.append(cache.tokens_read_last_step())
-    return math.exp(nll / (N - half)), (sum(read) / len(read) if read else float("nan"))
+                held.append(sum(lay.held_tokens for lay in cache.layers) / len(cache.layers))
+    mean = lambda x: sum(x) / len(x) if x else float("nan")  # noqa: E731
+    return math.exp(nll / (N - half)), mean(read), mean(held)
 
 
 import os
 
 # BASE=<ppl> skips the uncompressed run (when configs are measured in several processes)
 base = float(os.environ["BASE"]) if "BASE" in os.environ else ppl(DynamicCache(config=model.config))[0]
-print("| config | PPL | ΔPPL | tokens held (max layer, end) | tokens read / step (mean over layers, decode) | held bytes | time |")
-print("|---|---|---|---|---|---|---|")
-print(f"| uncompressed | {base:.4f} | - | {N} | {N} (end) | - | - |", flush=True)
+ctx = sum(range(N // 2 + 1, N)) / (N // 2 - 1)  # mean context over the decode steps
+print(f"mean context over decode steps: {ctx:.1f} tokens")
+print("| config | PPL | ΔPPL | tokens held (max layer, end) | tokens held / step (mean over layers, decode) "
+      "| tokens read / step (mean over layers, decode) | read share | held bytes | time |")
+print("|---|---|---|---|---|---|---|---|---|")
+print(f"| uncompressed | {base:.4f} | - | {N} | {ctx:.1f} | {ctx:.1f} | 100% | - | - |", flush=True)
 with kvcompress.enabled(model):
     for name, cfg in CONFIGS.items():
         if only and name not in only:
             continue
         t0 = time.time()
         cache = CompressedCache(model.config, cfg)
-        v, read = ppl(cache)
+        v, read, held = ppl(cache)
         r = cache.memory_report()
-        print(f"| {name} | {v:.4f} | {100 * (v / base - 1):+.3f}% | {r['tokens_held']} | {read:.1f} | {r['held_bytes']} | {time.time() - t0:.0f}s |", flush=True)
+        print(f"| {name} | {v:.4f} | {100 * (v / base - 1):+.3f}% | {r['tokens_held']} | {held:.1f} | {read:.1f} "
+              f"| {100 * read / ctx:.1f}% | {r['held_bytes']} | {time.time() - t0:.0f}s |", flush=True)

@@ -169,14 +169,17 @@ def disable(model):
 
 def _add_forward_hooks(model) -> None:
     """Scope the fused decode path to this model's forwards (removed by `disable`)."""
-    from kvcompress.kernels.attention_backend import batch_has_padding, begin_forward, end_forward
+    from kvcompress.kernels.attention_backend import begin_forward, end_forward, left_padding
     from kvcompress.kernels.backend import select_backend
 
     def before(module, args, kwargs):
         device = next(module.parameters()).device
-        # Left padding sits at the start of a row, which the fused kernel cannot mask: a padded batch
-        # runs whole on the torch path (dense K/V + SDPA with the padding mask).
-        begin_forward(select_backend(device) == "triton" and not batch_has_padding(kwargs.get("attention_mask", args[1] if len(args) > 1 else None)))
+        if select_backend(device) != "triton":
+            begin_forward(False)
+            return
+        # left padding: each row's first real position goes to the kernel; other masks: the torch path
+        readable, starts = left_padding(kwargs.get("attention_mask", args[1] if len(args) > 1 else None))
+        begin_forward(readable, starts)
 
     def after(module, args, kwargs, output):
         end_forward()

@@ -5,7 +5,8 @@ What these prove:
   run the fused kernel over packed pages, and greedy generation gives the same tokens as the torch
   path (dense decode + SDPA), with logits equal within float32 rounding;
 - the lossless preset through the kvcompress attention is token-identical to the sdpa model;
-- a left-padded batch (which the kernel cannot mask) runs on the torch path, with identical results;
+- a left-padded batch runs the kernel (masked from each row's first real position) with the torch path's
+  results; a mask with other holes runs on the torch path;
 - Quest's page list and H2O's per-token mass from the kernel match the torch path on a decode step.
 
 Tolerance: both paths read the same quantized bytes in float32; they differ only in summation order
@@ -114,14 +115,30 @@ def test_lossless_through_kvcompress_equals_sdpa(model, prompt, monkeypatch):
     assert torch.equal(tokens, ref)
 
 
-def test_left_padding_takes_the_torch_path(model, prompt, monkeypatch):
+def test_left_padding_runs_the_kernel(model, prompt, monkeypatch):
+    """A left-padded batch (row 0: 5 pads, inside the sinks and the first page; row 1: 13 pads, over two
+    pages) stays on the fused path, masked by each row's first real position, with the torch path's
+    tokens and logits."""
     mask = torch.ones_like(prompt)
-    mask[0, :5] = 0  # row 0 is left-padded
+    mask[0, :5] = 0
+    mask[1, :13] = 0
     cfg = tiny_pages(model, "nuq4")
     ref_tokens, ref_logits = generate(model, prompt, cfg, "torch", monkeypatch, mask)
     spy = KernelSpy(monkeypatch)
     tokens, logits = generate(model, prompt, cfg, "triton", monkeypatch, mask)
-    assert spy.calls == 0, "the kernel cannot mask left padding: a padded batch must stay on the torch path"
+    assert spy.calls == (NEW - 1) * model.config.num_hidden_layers
+    assert torch.equal(tokens, ref_tokens)
+    torch.testing.assert_close(logits, ref_logits, atol=ATOL, rtol=RTOL)
+
+
+def test_holes_other_than_left_padding_take_the_torch_path(model, prompt, monkeypatch):
+    mask = torch.ones_like(prompt)
+    mask[0, 7:9] = 0  # a hole inside row 0: not left padding
+    cfg = tiny_pages(model, "nuq4")
+    ref_tokens, ref_logits = generate(model, prompt, cfg, "torch", monkeypatch, mask)
+    spy = KernelSpy(monkeypatch)
+    tokens, logits = generate(model, prompt, cfg, "triton", monkeypatch, mask)
+    assert spy.calls == 0
     assert torch.equal(tokens, ref_tokens)
     assert torch.equal(logits, ref_logits)
 

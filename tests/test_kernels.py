@@ -198,6 +198,27 @@ def test_triton_value_groups_by_dots(name):
 
 
 @needs_triton
+@pytest.mark.parametrize("name", ["int4", "nuq4-page", "fp8", "int3"])
+def test_triton_left_padding(name):
+    """row_starts (left padding) inside the sinks, the body and the tail, with a page list: the kernel
+    equals the twin, and the twin equals the reference with those positions dropped."""
+    parts = make_parts(name, b=3, hkv=2, d=64, pages=4, page=16, sinks=3, tail=5, seed=37)
+    parts.row_starts = torch.tensor([2, 40, 69], dtype=torch.int32)  # sinks, body, tail (3 + 64 + 5 held)
+    q = torch.randn(3, 6, 64, generator=torch.Generator().manual_seed(38))
+    check_triton(parts, q)
+    check_triton(parts, q, page_list=random_page_list(3, 2, 4, 3, seed=39))
+    want, probs = decode_attention_torch(q, parts, 0.125, return_probs=True)
+    assert (probs[0, :, :2] == 0).all() and (probs[1, :, :40] == 0).all() and (probs[2, :, :69] == 0).all()
+    row = parts.row_starts[1].item()
+    solo = make_parts(name, b=3, hkv=2, d=64, pages=4, page=16, sinks=3, tail=5, seed=37)
+    k = torch.cat([solo.sink_k, solo.key.decode(torch.float32), solo.tail_k], 2)[1:2, :, row:]
+    v = torch.cat([solo.sink_v, solo.value.decode(torch.float32), solo.tail_v], 2)[1:2, :, row:]
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q[1:2, :, None], k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), scale=0.125)[:, :, 0]
+    assert rel_err(want[1:2], ref) < 1e-5
+
+
+@needs_triton
 def test_triton_gqa1_blocks_span_pages():
     """GQA 1 (multi-head), several pages per block (outliers of two pages in one block), no sinks/lengths."""
     parts = make_parts("nuq3", b=1, hkv=3, d=64, pages=4, page=16, sinks=0, tail=1, seed=13)

@@ -10,8 +10,10 @@ A step is deferred only inside a forward of a model enabled with the fused backe
 (`kvcompress.enable(model)`), whose pre-hook calls `begin_forward` with the backend
 `select_backend()` picks (Triton on CUDA, `KVCOMPRESS_KERNELS=triton|torch` forces one).
 
-Left padding: the kernel masks nothing at the start of a row (`body_lengths` only cuts a row's end),
-so a forward whose 2-D attention mask has any padding runs the whole batch on the torch path.
+Left padding (how `generate()` batches prompts of different lengths): the forward's 2-D attention mask
+gives each row's first real position, passed to the kernel as `row_starts`, so padded batches stay on the
+fused path. Layers that evict (H2O, SnapKV, StreamingLLM) no longer hold positions in mask order, and a
+mask with holes other than left padding is not one the kernel reads: those run on the torch path.
 
 Sparse layers: Quest passes its selected pages as the kernel's page list (the kernel always reads the
 sinks and the whole tail, a few more tokens than the torch path's newest page); H2O takes the
@@ -31,20 +33,37 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 # -- the forward scope --------------------------------------------------------------------------------
-def begin_forward(use_fused: bool) -> None:
-    """Called before a model forward: decode steps of supported layers may defer their dense K/V."""
+def begin_forward(use_fused: bool, row_starts: torch.Tensor | None = None) -> None:
+    """Called before a model forward: decode steps of supported layers may defer their dense K/V.
+    row_starts [B]: the first real position of each row (left padding), None without padding."""
     _local.fused = use_fused
     _local.deferred = None
+    _local.row_starts = row_starts
 
 
 def end_forward() -> None:
     _local.fused = False
     _local.deferred = None
+    _local.row_starts = None
 
 
 def batch_has_padding(attention_mask) -> bool:
     """True when a 2-D padding mask [B, T] masks any position (one host sync per forward)."""
     return isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 and not bool(attention_mask.all())
+
+
+def left_padding(attention_mask) -> tuple[bool, torch.Tensor | None]:
+    """(whether the fused kernel can read this mask, row_starts [B] or None) from a 2-D mask [B, T]:
+    no mask or no padding -> (True, None); pure left padding -> (True, first real position per row);
+    any other hole -> (False, None). One host sync per forward."""
+    if not batch_has_padding(attention_mask):
+        return True, None
+    real = attention_mask.bool()
+    starts = real.shape[1] - real.sum(-1)  # [B]
+    pure = torch.arange(real.shape[1], device=real.device)[None, :] >= starts[:, None]
+    if not torch.equal(real, pure):
+        return False, None
+    return True, starts.to(torch.int32)
 
 
 # -- which layers take it ----------------------------------------------------------------------------
@@ -73,6 +92,8 @@ def defers_dense(layer, new_keys: torch.Tensor) -> bool:
     attention reads the packed parts, so the layer need not decode its dense K/V (it is then marked)."""
     if new_keys.shape[2] != 1 or not getattr(_local, "fused", False) or not fused_supported(layer):
         return False
+    if getattr(_local, "row_starts", None) is not None and getattr(layer, "sparse", None) is not None:
+        return False  # padded rows over held positions that no longer follow the mask (see the module doc)
     if getattr(_local, "deferred", None) is not None:
         waiting = _local.deferred[0]
         _local.deferred = None
@@ -99,7 +120,8 @@ def attend_layer(query: torch.Tensor, layer, scaling: float) -> torch.Tensor:
     """Fused decode attention of a dense (not sparse) layer: query [B, Hq, 1, D] -> [B, Hq, 1, Dv]."""
     from kvcompress.kernels.decode_attention import layer_decode_attention
 
-    out, _ = layer_decode_attention(layer, query[:, :, 0], scaling, backend="triton")
+    out, _ = layer_decode_attention(layer, query[:, :, 0], scaling, backend="triton",
+                                    row_starts=getattr(_local, "row_starts", None))
     return out[:, :, None]
 
 

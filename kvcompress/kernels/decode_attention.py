@@ -51,6 +51,8 @@ def decode_attention_torch(
     k = torch.cat(keys, 2).float()  # [B, Hkv, n, Dk]
     v = torch.cat(values, 2).float()  # [B, Hkv, n, Dv]
     ok = torch.cat(valid, 2)  # [B, Hkv, n]
+    if parts.row_starts is not None:  # left padding: positions before the row's start
+        ok = ok & (torch.cat(positions, 2) >= parts.row_starts.to(dev).view(b, 1, 1))
     qg = q.float().reshape(b, hkv, hq // hkv, -1)  # [B, Hkv, G, Dk]
     s = torch.einsum("bhgd,bhnd->bhgn", qg, k) * scaling
     s = s.masked_fill(~ok[:, :, None], float("-inf"))
@@ -125,6 +127,9 @@ def layer_decode_attention(
     return_probs: bool = False,
     body_lengths: torch.Tensor | None = None,
     backend: str | None = None,
+    row_starts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Decode attention of q [B, Hq, D] over a `CompressedLayer`'s held tokens (see `decode_attention`)."""
-    return decode_attention(q, layer_parts(layer, body_lengths), scaling, page_list, return_probs, backend)
+    """Decode attention of q [B, Hq, D] over a `CompressedLayer`'s held tokens (see `decode_attention`);
+    row_starts [B]: left padding, the first held position each row attends to."""
+    return decode_attention(q, layer_parts(layer, body_lengths, row_starts), scaling, page_list, return_probs,
+                            backend)

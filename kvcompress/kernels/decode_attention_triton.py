@@ -205,15 +205,16 @@ def _outlier_deltas(oidx, oval, o_sp, codes, c_sn, scale, zero, s_sn, s_sc, cb,
 
 
 @triton.jit
-def _dense_range(m_i, l_i, acc, q_dot, kp, vp, k_sn, v_sn, n, pos0, sc_row, g_ok, qk_scale,
+def _dense_range(m_i, l_i, acc, q_dot, kp, vp, k_sn, v_sn, n, pos0, first, sc_row, g_ok, qk_scale,
                  WRITE_SCORES: tl.constexpr, DBN: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                  DOT_FP32: tl.constexpr, DT: tl.constexpr):
-    """Online-softmax update over n exact tokens [n, D] (sinks or tail)."""
+    """Online-softmax update over n exact tokens [n, D] (sinks or tail); tokens before `first` are
+    padding (not attended)."""
     dk = tl.arange(0, DK)[None, :]
     dv = tl.arange(0, DV)[None, :]
     for t0 in range(0, n, DBN):
         t = t0 + tl.arange(0, DBN)
-        ok = t < n
+        ok = (t < n) & (t >= first)
         k = tl.load(kp + t[:, None] * k_sn + dk, mask=ok[:, None], other=0.0)
         s = _dot(q_dot, tl.trans(_cast(k, DOT_FP32, DT)), DOT_FP32) * qk_scale
         s = tl.where(ok[None, :], s, float("-inf"))
@@ -239,7 +240,7 @@ def _decode_split_kernel(
     VC, vc_sb, vc_sh, vc_sn, VS, VZ, vs_sb, vs_sh, vs_sn, vs_sc, VCB, vcb_sh, VOI, VOV, vo_sb, vo_sh, vo_sp,
     SK, sk_sb, sk_sh, sk_sn, SV, sv_sb, sv_sh, sv_sn, n_sink,
     TK, tk_sb, tk_sh, tk_sn, TV, tv_sb, tv_sh, tv_sn, n_tail,
-    LENS, n_body, PL, pl_sb, pl_sh, n_sel, tokens_per_split, n_body_splits,
+    LENS, STARTS, n_body, PL, pl_sb, pl_sh, n_sel, tokens_per_split, n_body_splits,
     M_OUT, L_OUT, ACC_OUT, SCORES, sc_sb, sc_sh,
     qk_scale,
     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
@@ -248,7 +249,7 @@ def _decode_split_kernel(
     K_HAS_ZERO: tl.constexpr, K_NOUT: tl.constexpr, K_KCP: tl.constexpr,
     V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_SCALE_AT: tl.constexpr, V_GROUP: tl.constexpr,
     V_HAS_ZERO: tl.constexpr, V_NOUT: tl.constexpr, V_KCP: tl.constexpr,
-    HAS_BODY: tl.constexpr, HAS_LENS: tl.constexpr, HAS_PL: tl.constexpr, WRITE_SCORES: tl.constexpr,
+    HAS_BODY: tl.constexpr, HAS_LENS: tl.constexpr, HAS_STARTS: tl.constexpr, HAS_PL: tl.constexpr, WRITE_SCORES: tl.constexpr,
     DOT_FP32: tl.constexpr, DT: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
@@ -257,6 +258,10 @@ def _decode_split_kernel(
     b = pid_bh // HKV
     h = pid_bh % HKV
     b64 = b.to(tl.int64)
+    if HAS_STARTS:  # left padding: held positions before row_first are not attended
+        row_first = tl.load(STARTS + b).to(tl.int32)
+    else:
+        row_first = 0
 
     g = tl.arange(0, GP)
     g_ok = g < G
@@ -275,10 +280,11 @@ def _decode_split_kernel(
         # the exact parts: sinks, then tail
         m_i, l_i, acc = _dense_range(
             m_i, l_i, acc, q_dot, SK + b64 * sk_sb + h * sk_sh, SV + b64 * sv_sb + h * sv_sh, sk_sn, sv_sn,
-            n_sink, 0, sc_row, g_ok, qk_scale, WRITE_SCORES, DBN, DK, DV, DOT_FP32, DT)
+            n_sink, 0, row_first, sc_row, g_ok, qk_scale, WRITE_SCORES, DBN, DK, DV, DOT_FP32, DT)
         m_i, l_i, acc = _dense_range(
             m_i, l_i, acc, q_dot, TK + b64 * tk_sb + h * tk_sh, TV + b64 * tv_sb + h * tv_sh, tk_sn, tv_sn,
-            n_tail, n_sink + n_body, sc_row, g_ok, qk_scale, WRITE_SCORES, DBN, DK, DV, DOT_FP32, DT)
+            n_tail, n_sink + n_body, row_first - n_sink - n_body, sc_row, g_ok, qk_scale, WRITE_SCORES, DBN, DK,
+            DV, DOT_FP32, DT)
     elif HAS_BODY:
         kc = KC + b64 * kc_sb + h * kc_sh
         ks = KS + b64 * ks_sb + h * ks_sh
@@ -310,11 +316,11 @@ def _decode_split_kernel(
                 page_sel = l // P
                 page = tl.load(pl + page_sel, mask=l < n_logical, other=-1)
                 tok = page * P + l % P
-                ok = (l < n_logical) & (page >= 0) & (tok < len_b)
+                ok = (l < n_logical) & (page >= 0) & (tok < len_b) & (tok + n_sink >= row_first)
             else:
                 tok = l
                 page = l // P
-                ok = l < n_logical
+                ok = (l < n_logical) & (tok + n_sink >= row_first)
             tok2 = tok[:, None]
             page2 = page[:, None]
             ok2 = ok[:, None]
@@ -529,6 +535,7 @@ def decode_attention_triton(
 
     lens = parts.body_lengths
     lens = lens.to(dev, torch.int32) if lens is not None else q
+    starts = parts.row_starts.to(dev, torch.int32) if parts.row_starts is not None else q
 
     m_part = torch.empty(b * hq * n_splits, device=dev, dtype=torch.float32)
     l_part = torch.empty_like(m_part)
@@ -548,7 +555,7 @@ def decode_attention_triton(
         sink_v, sink_v.stride(0), sink_v.stride(1), sink_v.stride(2), parts.n_sinks,
         tail_k, tail_k.stride(0), tail_k.stride(1), tail_k.stride(2),
         tail_v, tail_v.stride(0), tail_v.stride(1), tail_v.stride(2), parts.n_tail,
-        lens, n_body, *pl_args, tokens_per_split, body_splits,
+        lens, starts, n_body, *pl_args, tokens_per_split, body_splits,
         m_part, l_part, acc_part, scores, scores.stride(0) if return_probs else 0,
         scores.stride(1) if return_probs else 0,
         scaling * LOG2E,
@@ -556,6 +563,7 @@ def decode_attention_triton(
         P=page_size, BN=block_n, OPB=opb, DBN=32,
         **_stream_constants(key_args, "K"), **_stream_constants(value_args, "V"),
         HAS_BODY=key_args is not None, HAS_LENS=parts.body_lengths is not None,
+        HAS_STARTS=parts.row_starts is not None,
         HAS_PL=page_list is not None and key_args is not None, WRITE_SCORES=return_probs,
         DOT_FP32=dtype == torch.float32, DT=_DOT_DTYPES[dtype],
         num_warps=num_warps, num_stages=num_stages, **extra,

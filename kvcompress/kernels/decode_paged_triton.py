@@ -198,7 +198,7 @@ def _paged_split_kernel(
     VC, vc_sb, vc_sh, vc_sn, VS, VZ, vs_sb, vs_sh, vs_sn, vs_sc, VCB, vcb_sh, VOI, VOV, vo_sb, vo_sh, vo_sp,
     SK, sk_sb, sk_sh, sk_sn, SV, sv_sb, sv_sh, sv_sn, n_sink,
     TK, tk_sb, tk_sh, tk_sn, TV, tv_sb, tv_sh, tv_sn, n_tail,
-    LENS, n_body, PL, pl_sb, pl_sh, n_sel, tokens_per_split, n_body_splits,
+    LENS, STARTS, n_body, PL, pl_sb, pl_sh, n_sel, tokens_per_split, n_body_splits,
     M_OUT, L_OUT, ACC_OUT, SCORES, sc_sb, sc_sh,
     qk_scale,
     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
@@ -207,7 +207,7 @@ def _paged_split_kernel(
     K_HAS_ZERO: tl.constexpr, K_NOUT: tl.constexpr, K_KCP: tl.constexpr,
     V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_SCALE_AT: tl.constexpr, V_GROUP: tl.constexpr,
     V_HAS_ZERO: tl.constexpr, V_NOUT: tl.constexpr, V_KCP: tl.constexpr,
-    HAS_BODY: tl.constexpr, HAS_LENS: tl.constexpr, HAS_PL: tl.constexpr, WRITE_SCORES: tl.constexpr,
+    HAS_BODY: tl.constexpr, HAS_LENS: tl.constexpr, HAS_STARTS: tl.constexpr, HAS_PL: tl.constexpr, WRITE_SCORES: tl.constexpr,
     DOT_FP32: tl.constexpr, DT: tl.constexpr,
     PHK: tl.constexpr, PHV: tl.constexpr, WK: tl.constexpr, WV: tl.constexpr, PPI: tl.constexpr,
     QR: tl.constexpr, LUT_SELECT: tl.constexpr, GROUP_DOTS: tl.constexpr,
@@ -218,6 +218,10 @@ def _paged_split_kernel(
     b = pid_bh // HKV
     h = pid_bh % HKV
     b64 = b.to(tl.int64)
+    if HAS_STARTS:  # left padding: held positions before row_first are not attended
+        row_first = tl.load(STARTS + b).to(tl.int32)
+    else:
+        row_first = 0
 
     g = tl.arange(0, GP)
     g_ok = g < G
@@ -235,10 +239,11 @@ def _paged_split_kernel(
         acc = tl.zeros([GP, DV], tl.float32)
         m_i, l_i, acc = _dense_range(
             m_i, l_i, acc, q_dot, SK + b64 * sk_sb + h * sk_sh, SV + b64 * sv_sb + h * sv_sh, sk_sn, sv_sn,
-            n_sink, 0, sc_row, g_ok, qk_scale, WRITE_SCORES, DBN, DK, DV, DOT_FP32, DT)
+            n_sink, 0, row_first, sc_row, g_ok, qk_scale, WRITE_SCORES, DBN, DK, DV, DOT_FP32, DT)
         m_i, l_i, acc = _dense_range(
             m_i, l_i, acc, q_dot, TK + b64 * tk_sb + h * tk_sh, TV + b64 * tv_sb + h * tv_sh, tk_sn, tv_sn,
-            n_tail, n_sink + n_body, sc_row, g_ok, qk_scale, WRITE_SCORES, DBN, DK, DV, DOT_FP32, DT)
+            n_tail, n_sink + n_body, row_first - n_sink - n_body, sc_row, g_ok, qk_scale, WRITE_SCORES, DBN, DK,
+            DV, DOT_FP32, DT)
         tl.store(ACC_OUT + out_row[:, None] * DV + dv[None, :], acc, mask=g_ok[:, None])
     else:
         kc = KC + b64 * kc_sb + h * kc_sh
@@ -289,11 +294,11 @@ def _paged_split_kernel(
             if HAS_PL:
                 page = tl.load(pl + l // P, mask=l < n_logical, other=-1)
                 tok = page * P + l % P
-                ok = (l < n_logical) & (page >= 0) & (tok < len_b)
+                ok = (l < n_logical) & (page >= 0) & (tok < len_b) & (tok + n_sink >= row_first)
                 row_page = tl.load(pl + l0 // P + slot, mask=r_ok & (l0 + slot * P < n_logical), other=-1)
             else:
                 tok = l
-                ok = l < n_logical
+                ok = (l < n_logical) & (tok + n_sink >= row_first)
                 row_page = l0 // P + slot
             row_page_ok = r_ok & (row_page >= 0) & (l0 + slot * P < n_logical)
             tok2 = tok[:, None]

@@ -62,7 +62,9 @@ class AttentionParts:
 
     key, value: the packed bodies (None when the body is empty);
     sink_k, sink_v: [B, H, S, D]; tail_k, tail_v: [B, H, T, D] (model dtype);
-    body_lengths: [B] int, valid body tokens per batch row (None: all N).
+    body_lengths: [B] int, valid body tokens per batch row (None: all N);
+    row_starts: [B] int, the first held position (sinks | body | tail order) each row attends to: the
+    positions before it are left padding (None: no padding).
     """
 
     key: PackedStream | None
@@ -72,6 +74,7 @@ class AttentionParts:
     tail_k: torch.Tensor
     tail_v: torch.Tensor
     body_lengths: torch.Tensor | None = None
+    row_starts: torch.Tensor | None = None
 
     def __post_init__(self):
         if (self.key is None) != (self.value is None):
@@ -107,16 +110,18 @@ class AttentionParts:
         return self.tail_k.shape[1]
 
 
-def layer_parts(layer, body_lengths: torch.Tensor | None = None) -> AttentionParts:
+def layer_parts(layer, body_lengths: torch.Tensor | None = None,
+                row_starts: torch.Tensor | None = None) -> AttentionParts:
     """The AttentionParts of an initialised `kvcompress.cache.CompressedLayer` (no copies)."""
     if not getattr(layer, "is_initialized", False):
         raise ValueError("the layer holds no tokens yet: call update() / append() first")
     if not layer.compressed:
         empty_k, empty_v = layer.tail_k[:, :, :0], layer.tail_v[:, :, :0]
-        return AttentionParts(None, None, empty_k, empty_v, layer.tail_k, layer.tail_v)
+        return AttentionParts(None, None, empty_k, empty_v, layer.tail_k, layer.tail_v, None, row_starts)
     ks, vs = layer.key_store, layer.value_store
     key = value = None
     if ks.n_tokens:
         key = PackedStream(ks.codec, ks.data, ks.row, ks.n_tokens)
         value = PackedStream(vs.codec, vs.data, vs.row, vs.n_tokens)
-    return AttentionParts(key, value, layer.sink_k, layer.sink_v, layer.tail_k, layer.tail_v, body_lengths)
+    return AttentionParts(key, value, layer.sink_k, layer.sink_v, layer.tail_k, layer.tail_v, body_lengths,
+                          row_starts)
