@@ -25,6 +25,7 @@ from kvcompress.config import QuantSpec
 from kvcompress.kernels.decode_attention import decode_attention_torch
 from kvcompress.kernels.parts import AttentionParts, PackedStream
 from kvcompress.kernels.quest import quest_select_pages
+from kvcompress.sparse.quest import RADIUS_SCALE
 from kvcompress.quant.factory import make_codec
 
 HQ, HKV, D = 32, 8, 128
@@ -207,7 +208,8 @@ def run(contexts, batches, n_iter, configs, methods) -> list[dict]:
                     nbytes += 2 * lo.numel() * lo.element_size()
 
                     def select(j):
-                        return quest_select_pages(q[j], lo, hi, page_list.shape[2], backend="triton")
+                        return quest_select_pages(q[j], lo, hi, page_list.shape[2], scaling=SCALING,
+                                                  radius_scale=RADIUS_SCALE, backend="triton")
 
                 def step(i, cfg):
                     j = i % copies

@@ -18,7 +18,7 @@ from kvcompress.config import QuantSpec
 from kvcompress.kernels.backend import select_backend
 from kvcompress.kernels.decode_attention import decode_attention_torch, layer_decode_attention
 from kvcompress.kernels.parts import AttentionParts, PackedStream
-from kvcompress.kernels.quest import quest_page_scores_torch, quest_select_pages
+from kvcompress.kernels.quest import quest_select_pages
 from kvcompress.quant.factory import make_codec
 
 try:  # without a GPU the Triton side runs in Triton's interpreter (TRITON_INTERPRET=1, set by conftest.py)
@@ -254,28 +254,32 @@ def quest_inputs(b=2, hkv=2, g=3, n_pages=9, p=8, d=64, seed=16):
 
 
 def test_quest_bound_holds_and_topk_is_best():
-    """The page score bounds every q.k of the page (max over the group), and the selection is the top-k."""
+    """Radius 1: every head's page logit bounds its q.k over the page; the selection is the top-k of the
+    softmax mass summed over the group, within each row's valid pages."""
+    from kvcompress.kernels.quest import quest_page_logits_torch, quest_page_scores
+
     q, keys, lo, hi = quest_inputs()
-    scores = quest_page_scores_torch(q, lo, hi)  # [B, Hkv, n_pages]
-    qk = torch.einsum("bhgd,bhnpd->bhgnp", q.view(2, 2, 3, 64), keys).amax(-1).amax(2)
-    assert (scores >= qk - 1e-4).all()
+    logits = quest_page_logits_torch(q, lo, hi).view(2, 2, 3, 9)  # [B, Hkv, G, pages]
+    qk = torch.einsum("bhgd,bhnpd->bhgnp", q.view(2, 2, 3, 64), keys).amax(-1)
+    assert (logits >= qk - 1e-4).all()
     n_valid = torch.tensor([9, 5])
-    pages = quest_select_pages(q, lo, hi, 4, n_valid, backend="torch")
-    best = quest_page_scores_torch(q, lo, hi, n_valid).topk(4, -1).indices.sort(-1).values
+    pages = quest_select_pages(q, lo, hi, 4, n_valid, scaling=0.125, radius_scale=0.25, backend="torch")
+    valid = (torch.arange(9) < n_valid.view(2, 1, 1)).expand(-1, 2, -1)
+    mass = quest_page_scores(q, lo, hi, valid, scaling=0.125, radius_scale=0.25, backend="torch")
+    best = mass.topk(4, -1).indices.sort(-1).values
     assert torch.equal(pages.long(), best) and (pages[1] < 5).all()
+    assert torch.allclose(mass[0].sum(-1), torch.full((2,), 3.0))  # G heads' softmaxes, summed
 
 
 @needs_triton
 def test_quest_triton_matches_torch():
-    q, _, lo, hi = quest_inputs(g=8, hkv=1, n_pages=37)
-    from kvcompress.kernels.quest import quest_page_scores_triton
+    from kvcompress.kernels.quest import quest_page_logits_torch, quest_page_logits_triton
 
-    nv = torch.tensor([37, 20])
-    want = quest_page_scores_torch(q, lo, hi, nv)
-    got = quest_page_scores_triton(q, lo, hi, nv)
-    assert torch.equal(torch.isinf(want), torch.isinf(got))
-    fin = torch.isfinite(want)
-    assert rel_err(got[fin], want[fin]) < 1e-6
+    q, _, lo, hi = quest_inputs(g=8, hkv=1, n_pages=37)
+    for radius in (1.0, 0.25):
+        want = quest_page_logits_torch(q, lo, hi, radius)
+        got = quest_page_logits_triton(q, lo, hi, radius)
+        assert rel_err(got, want) < 1e-6
 
 
 # -- dispatch -------------------------------------------------------------------------------------------

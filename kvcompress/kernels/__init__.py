@@ -15,7 +15,7 @@ from kvcompress.kernels.decode_attention import (
     layer_decode_attention,
 )
 from kvcompress.kernels.parts import AttentionParts, PackedStream, layer_parts
-from kvcompress.kernels.quest import quest_page_scores_torch, quest_select_pages
+from kvcompress.kernels.quest import quest_page_logits_torch, quest_page_scores, quest_select_pages
 
 __all__ = [
     "AttentionParts",
@@ -24,7 +24,8 @@ __all__ = [
     "decode_attention_torch",
     "layer_decode_attention",
     "layer_parts",
-    "quest_page_scores_torch",
+    "quest_page_logits_torch",
+    "quest_page_scores",
     "quest_select_pages",
     "select_backend",
 ]

@@ -1,10 +1,16 @@
-"""Quest page selection on the device (Tang et al. 2024, arXiv:2406.10774).
+"""Quest page scoring and selection on the device (Tang et al. 2024, arXiv:2406.10774), as the Quest
+policy (kvcompress.sparse.quest) scores pages.
 
-Each page of P keys is summarised by its elementwise min and max [B, Hkv, n_pages, D]; for a query q
-the page's upper bound on q.k is sum_i max(q_i * min_i, q_i * max_i). With GQA the page score of a kv
-head is the max of that bound over the group's query heads. The top-k pages by score are read.
-`quest_page_scores_torch` / `quest_page_scores_triton` share one signature; `quest_select_pages`
-dispatches and takes the top-k (torch.topk on either backend: it is one small launch).
+Each page of P keys is summarised by its elementwise min and max [B, Hkv, n_pages, D]. A page's logit for
+one query head is  q.centre + radius_scale * |q|.half_width  of the page's [min, max] box; with
+radius_scale 1 that is Quest's upper bound on q.k over the page, sum_i max(q_i * min_i, q_i * max_i).
+A page's score for a kv head is the softmax of its logits over the pages (scaled like the attention
+logits) per query head, summed over the head's GQA group: an estimate of the attention mass it gets.
+
+`quest_page_logits_torch` / `quest_page_logits_triton` share one signature (the logits, one program per
+(batch, kv head, block of pages) reading each page summary once for the whole group); `quest_page_scores`
+adds the softmax and the group sum, `quest_select_pages` the top-k (torch ops on either backend: a few
+small launches).
 """
 
 from __future__ import annotations
@@ -12,32 +18,52 @@ from __future__ import annotations
 import torch
 
 
-def quest_page_scores_torch(
-    q: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor, n_valid: torch.Tensor | None = None
+def quest_page_logits_torch(
+    q: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor, radius_scale: float = 1.0
 ) -> torch.Tensor:
-    """q [B, Hq, D], page_min / page_max [B, Hkv, n_pages, D], n_valid [B] pages per row (None: all)
-    -> scores [B, Hkv, n_pages] float32 (-inf for pages past n_valid)."""
+    """q [B, Hq, D], page_min / page_max [B, Hkv, n_pages, D] -> logits [B, Hq, n_pages] float32."""
     b, hq, d = q.shape
     hkv, n_pages = page_min.shape[1], page_min.shape[2]
     if hq % hkv:
         raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({hkv})")
     qg = q.float().reshape(b, hkv, hq // hkv, 1, d)  # [B, Hkv, G, 1, D]
     lo, hi = page_min.float()[:, :, None], page_max.float()[:, :, None]  # [B, Hkv, 1, n, D]
-    bound = torch.maximum(qg * lo, qg * hi).sum(-1)  # [B, Hkv, G, n]
-    scores = bound.amax(2)
-    if n_valid is not None:
-        past = torch.arange(n_pages, device=q.device) >= n_valid.to(q.device).view(b, 1, 1)
-        scores = scores.masked_fill(past, float("-inf"))
-    return scores
+    logits = (qg * (lo + hi) / 2).sum(-1) + radius_scale * (qg.abs() * (hi - lo) / 2).sum(-1)
+    return logits.reshape(b, hq, n_pages)
 
 
-def quest_page_scores_triton(
-    q: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor, n_valid: torch.Tensor | None = None
+def quest_page_logits_triton(
+    q: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor, radius_scale: float = 1.0
 ) -> torch.Tensor:
-    """Same as `quest_page_scores_torch`, one Triton program per (batch, kv head, block of pages)."""
-    from kvcompress.kernels.quest_triton import quest_scores
+    """Same as `quest_page_logits_torch`."""
+    from kvcompress.kernels.quest_triton import quest_logits
 
-    return quest_scores(q, page_min, page_max, n_valid)
+    return quest_logits(q, page_min, page_max, radius_scale)
+
+
+def quest_page_scores(
+    q: torch.Tensor,
+    page_min: torch.Tensor,
+    page_max: torch.Tensor,
+    valid: torch.Tensor | None = None,
+    *,
+    scaling: float = 1.0,
+    radius_scale: float = 1.0,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Estimated attention mass per page, summed over the group: [B, Hkv, n_pages] float32, -inf on pages
+    that are not `valid` ([B, Hkv, n_pages] or [B, 1, n_pages] bool; None: all)."""
+    from kvcompress.kernels.backend import select_backend
+
+    backend = backend or select_backend(q.device)
+    fn = quest_page_logits_triton if backend == "triton" else quest_page_logits_torch
+    b, hq, _ = q.shape
+    hkv, n_pages = page_min.shape[1], page_min.shape[2]
+    logits = fn(q, page_min, page_max, radius_scale).view(b, hkv, hq // hkv, n_pages) * scaling
+    if valid is not None:
+        logits = logits.masked_fill(~valid[:, :, None], float("-inf"))
+    mass = torch.softmax(logits, dim=-1).nan_to_num(0.0).sum(2)  # a row with no valid page: all zeros
+    return mass if valid is None else mass.masked_fill(~valid, float("-inf"))
 
 
 def quest_select_pages(
@@ -46,19 +72,23 @@ def quest_select_pages(
     page_max: torch.Tensor,
     k: int,
     n_valid: torch.Tensor | None = None,
+    *,
+    scaling: float = 1.0,
+    radius_scale: float = 1.0,
     backend: str | None = None,
 ) -> torch.Tensor:
-    """The k best pages per (batch, kv head): [B, Hkv, k] int32, ascending page order (the decode kernel
-    then reads memory forward); -1 where fewer than k pages are valid."""
-    from kvcompress.kernels.backend import select_backend
-
-    backend = backend or select_backend(q.device)
-    fn = quest_page_scores_triton if backend == "triton" else quest_page_scores_torch
-    scores = fn(q, page_min, page_max, n_valid)  # [B, Hkv, n_pages]
-    k = min(k, scores.shape[-1])
+    """The k best pages per (batch, kv head) among the first n_valid [B] pages of each row: [B, Hkv, k]
+    int32, ascending page order (the decode kernel then reads memory forward); -1 where fewer than k
+    pages are valid."""
+    n_pages = page_min.shape[2]
+    valid = None
+    if n_valid is not None:
+        valid = (torch.arange(n_pages, device=q.device) < n_valid.to(q.device).view(-1, 1, 1))  # [B, 1, n]
+        valid = valid.expand(-1, page_min.shape[1], -1)
+    scores = quest_page_scores(q, page_min, page_max, valid, scaling=scaling, radius_scale=radius_scale,
+                               backend=backend)
+    k = min(k, n_pages)
     top = scores.topk(k, dim=-1)
     pages = torch.where(torch.isfinite(top.values), top.indices, torch.full_like(top.indices, -1))
-    # ascending, with the -1 entries last
-    n_pages = scores.shape[-1]
-    ordered = torch.where(pages < 0, torch.full_like(pages, n_pages), pages).sort(-1).values
+    ordered = torch.where(pages < 0, torch.full_like(pages, n_pages), pages).sort(-1).values  # -1 entries last
     return ordered.masked_fill(ordered >= n_pages, -1).to(torch.int32)

@@ -35,8 +35,7 @@ RADIUS_SCALE = 0.25  # measured on SmolLM2-135M, see the module docstring
 
 def head_bounds(query: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor) -> torch.Tensor:
     """query: [B, H, G, D] (a kv head's group), page_min/max: [B, H, P, D] -> bounds [B, H, G, P]."""
-    q = query.float()[:, :, :, None, :]  # [B, H, G, 1, D]
-    return torch.maximum(q * page_min[:, :, None], q * page_max[:, :, None]).sum(-1)
+    return head_logits(query, page_min, page_max, 1.0)
 
 
 def page_bounds(query: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor) -> torch.Tensor:
@@ -46,10 +45,10 @@ def page_bounds(query: torch.Tensor, page_min: torch.Tensor, page_max: torch.Ten
 
 def head_logits(query: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor, radius_scale: float):
     """q.center + radius_scale * |q|.half_width per query head: [B, H, G, P] (1.0: the upper bound)."""
-    q = query.float()[:, :, :, None, :]  # [B, H, G, 1, D]
-    center = ((page_min + page_max) / 2)[:, :, None]  # [B, H, 1, P, D]
-    half_width = ((page_max - page_min) / 2)[:, :, None]
-    return (q * center).sum(-1) + radius_scale * (q.abs() * half_width).sum(-1)
+    from kvcompress.kernels.quest import quest_page_logits_torch
+
+    b, h, g, d = query.shape
+    return quest_page_logits_torch(query.reshape(b, h * g, d), page_min, page_max, radius_scale).view(b, h, g, -1)
 
 
 def page_scores(
@@ -57,13 +56,15 @@ def page_scores(
     radius_scale: float = 1.0,
 ) -> torch.Tensor:
     """Estimated attention mass per page, summed over the group: [B, H, P]; -inf on pages of padding.
+    On the selected kernel backend (Triton on CUDA): `kvcompress.kernels.quest.quest_page_scores`.
 
     query: [B, H, G, D]; page_min/max: [B, H, P, D]; real: [B, H, P] False on pages of padding only.
     """
-    logits = head_logits(query, page_min, page_max, radius_scale) * scaling  # [B, H, G, P]
-    logits = logits.masked_fill(~real[:, :, None], float("-inf"))
-    mass = torch.softmax(logits, dim=-1).nan_to_num(0.0).sum(2)  # a row of padding only: all zeros
-    return mass.masked_fill(~real, float("-inf"))
+    from kvcompress.kernels.quest import quest_page_scores
+
+    b, h, g, d = query.shape
+    return quest_page_scores(query.reshape(b, h * g, d), page_min, page_max, real, scaling=scaling,
+                             radius_scale=radius_scale)
 
 
 @dataclass
