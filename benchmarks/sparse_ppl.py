@@ -41,6 +41,18 @@ def dense_first(n_dense, share):
     return [1.0] * n_dense + [(share * n - n_dense) / (n - n_dense)] * (n - n_dense)
 
 
+def fixed(share, ratios):
+    """Ratios {layer: ratio} for some layers, the others equal at the ratio that keeps the mean at `share`."""
+    n = layout.num_layers
+    rest = (share * n - sum(ratios.values())) / (n - len(ratios))
+    assert 0.0 < rest <= 1.0, rest
+    return [ratios.get(i, rest) for i in range(n)]
+
+
+def dense(layers):
+    return {i: 1.0 for i in layers}
+
+
 CONFIGS = {
     "h2o-50": "h2o-50",
     "h2o-25": config("h2o-25", SparsitySpec("h2o", ratio=0.25, page_size=16)),
@@ -52,6 +64,13 @@ CONFIGS = {
     "h2o-50-d2": layered("h2o-50-d2", "h2o", dense_first(2, 0.5), page_size=16),
     "h2o-50-p8": config("h2o-50-p8", SparsitySpec("h2o", ratio=0.5, page_size=8)),
     "quest-25-d4": layered("quest-25-d4", "quest", dense_first(4, 0.25), page_size=8),
+    # H2O: the layers whose pair costs most at 25% alone (probes below) kept dense or at a higher ratio
+    "h2o-50-A": layered("h2o-50-A", "h2o", fixed(0.5, dense([2, 3, 6, 7, 14, 15])), page_size=16),
+    "h2o-50-C": layered("h2o-50-C", "h2o", fixed(0.5, dense([2, 3, 6, 7])), page_size=16),
+    "h2o-50-B": layered("h2o-50-B", "h2o", fixed(0.5, {**dense([2, 3, 6, 7]), **{i: 0.6 for i in (14, 15, 16, 17, 20, 21, 26, 27)}}), page_size=16),
+    "h2o-25-A": layered("h2o-25-A", "h2o", fixed(0.25, dense([2, 3, 6, 7])), page_size=16),
+    "h2o-25-B": layered("h2o-25-B", "h2o", fixed(0.25, {**dense([6, 7]), **{i: 0.5 for i in (2, 3, 14, 15)}}), page_size=16),
+    "h2o-25-C": layered("h2o-25-C", "h2o", fixed(0.25, {i: 0.5 for i in (2, 3, 6, 7, 14, 15)}), page_size=16),
 }
 # per-layer sensitivity probes: only layers a, a+1 sparse (at 25%), every other layer dense
 for _a in range(0, layout.num_layers, 2):

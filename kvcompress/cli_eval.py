@@ -24,6 +24,9 @@ def _lengths(ctx, param, value: str) -> tuple[int, ...]:
               help="Saved kvcompress config (.safetensors) to evaluate (repeatable).")
 @click.option("--context", default=2048, show_default=True, type=click.IntRange(4, 1_000_000),
               help="Tokens of the text: the first half is prefilled, the second half decoded and scored.")
+@click.option("--windows", default=1, show_default=True, type=click.IntRange(1, 1000),
+              help="Score this many disjoint consecutive windows of --context tokens; Δppl is their mean, "
+                   "shown with its [min, max] over the windows.")
 @click.option("--text", "text_file", type=click.Path(exists=True, dir_okay=False),
               help="UTF-8 text to score (default: the shipped kvcompress/data/eval.txt).")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write the rows as JSON (atomically).")
@@ -40,7 +43,7 @@ def _lengths(ctx, param, value: str) -> tuple[int, ...]:
 @click.option("--load-in-4bit", is_flag=True, help="Load the weights in 4 bits (bitsandbytes NF4; CUDA).")
 @click.option("--load-in-8bit", is_flag=True, help="Load the weights in 8 bits (bitsandbytes LLM.int8; CUDA).")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Show a progress bar.")
-def eval_command(model, presets, configs, context, text_file, json_out, plot_out, passkey, passkey_lengths,
+def eval_command(model, presets, configs, context, windows, text_file, json_out, plot_out, passkey, passkey_lengths,
                  passkey_seeds, passkey_template, baselines, device, progress, load_in_4bit=False, load_in_8bit=False):
     """Compare the uncompressed cache with presets / configs / baselines on the same text.
 
@@ -70,16 +73,17 @@ def eval_command(model, presets, configs, context, text_file, json_out, plot_out
     m, tok = load_model_or_exit(model, device, load_in_4bit, load_in_8bit)
     try:
         rows = evaluate(
-            m, tok, presets=presets, configs=configs, baselines=baselines, context=context, text=text,
+            m, tok, presets=presets, configs=configs, baselines=baselines, context=context, windows=windows, text=text,
             passkey=passkey, passkey_lengths=passkey_lengths, passkey_seeds=tuple(range(passkey_seeds)),
             passkey_template=passkey_template, progress=progress, log=lambda msg: console.print(f"[yellow]{msg}"),
         )
     except TextTooShortError as e:
         raise click.ClickException(str(e))
-    title = f"{model}: context {context}, ppl over the last {context - context // 2} tokens, device {m.device}"
+    over = f"the last {context - context // 2} tokens" + (f" of each of {windows} windows" if windows > 1 else "")
+    title = f"{model}: context {context}, ppl over {over}, device {m.device}"
     print_results(rows, title=title)
     if json_out:
-        meta = {"model": model, "context": context, "text": text_file or "kvcompress/data/eval.txt",
+        meta = {"model": model, "context": context, "windows": windows, "text": text_file or "kvcompress/data/eval.txt",
                 "device": str(m.device), "passkey_lengths": list(passkey_lengths) if passkey else [],
                 "passkey_template": passkey_template}
         write_json(json_out, {"meta": meta, "rows": rows})

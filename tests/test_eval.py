@@ -49,6 +49,26 @@ def test_cli_eval_end_to_end(cli_uses_loaded_model, tmp_path):
     assert "uncompressed" in res.output and "fp8" in res.output
 
 
+def test_cli_eval_over_windows(cli_uses_loaded_model, tmp_path):
+    """--windows 2: each row's ppl is over both windows' scored tokens, its Δppl the mean of the two
+    per-window deltas; too many windows for the text is a clear error."""
+    out = tmp_path / "out.json"
+    args = ["eval", "--preset", "int4", "--context", "128", "--windows", "2", "--no-passkey", "--no-progress",
+            "--json", str(out)]
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 0, res.output
+    ref, int4 = json.loads(out.read_text())["rows"]
+    assert ref["windows"] == 2 and ref["n_tokens"] == 128 and len(ref["ppl_windows"]) == 2
+    assert ref["ppl_windows"][0] != ref["ppl_windows"][1]  # two different windows of text
+    assert math.isclose(math.log(ref["ppl"]), sum(math.log(p) for p in ref["ppl_windows"]) / 2, rel_tol=1e-9)
+    per = [100 * (a / b - 1) for a, b in zip(int4["ppl_windows"], ref["ppl_windows"])]
+    assert int4["ppl_delta_pct_windows"] == pytest.approx(per)
+    assert int4["ppl_delta_pct"] == pytest.approx(sum(per) / 2)
+    assert "[" in res.output  # the per-window range is shown
+    res = CliRunner().invoke(main, ["eval", "--preset", "int4", "--context", "4096", "--windows", "50", "--no-passkey"])
+    assert res.exit_code != 0 and "--windows 50" in res.output and "fit" in res.output
+
+
 def test_none_preset_is_token_identical(smollm2):
     model, tok = smollm2
     ids = context_ids(tok, 64)

@@ -9,6 +9,7 @@ from kvcompress.evaluation.perplexity import (
     PerplexityResult,
     TextTooShortError,
     context_ids,
+    context_windows,
     default_eval_text,
     perplexity,
 )
@@ -20,6 +21,7 @@ __all__ = [
     "TextTooShortError",
     "add_deltas",
     "context_ids",
+    "context_windows",
     "default_eval_text",
     "evaluate",
     "passkey_accuracy",

@@ -42,6 +42,25 @@ def context_ids(tokenizer, context: int, text: str | None = None) -> torch.Tenso
     return ids[:, :context]
 
 
+def context_windows(tokenizer, context: int, windows: int, text: str | None = None) -> list[torch.Tensor]:
+    """`windows` disjoint consecutive windows of `context` tokens from the start of `text` (default: the
+    shipped eval text), each [1, context]. Raises TextTooShortError naming how many fit."""
+    if windows < 1:
+        raise ValueError(f"windows must be at least 1, got {windows}")
+    if windows == 1:
+        return [context_ids(tokenizer, context, text)]
+    if context < 4:
+        raise ValueError(f"context must be at least 4 tokens, got {context}")
+    text = default_eval_text() if text is None else text
+    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
+    if ids.shape[1] < context * windows:
+        raise TextTooShortError(
+            f"the evaluation text has only {ids.shape[1]} tokens: {ids.shape[1] // context} window(s) of --context "
+            f"{context} fit, not --windows {windows}; pass a longer --text FILE, fewer windows or a smaller context"
+        )
+    return [ids[:, i * context:(i + 1) * context] for i in range(windows)]
+
+
 @dataclass
 class PerplexityResult:
     """nll: mean negative log-likelihood (nats) of the n_tokens decoded-half predictions; ppl = exp(nll)."""

@@ -14,6 +14,8 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+import torch
+
 from kvcompress.evaluation.baselines import (
     BaselineUnavailable,
     baseline_factory,
@@ -21,7 +23,7 @@ from kvcompress.evaluation.baselines import (
     tensor_memory,
 )
 from kvcompress.evaluation.passkey import passkey_accuracy
-from kvcompress.evaluation.perplexity import context_ids, perplexity
+from kvcompress.evaluation.perplexity import context_windows, perplexity
 
 UNCOMPRESSED = "uncompressed"
 ROW_KEYS = (
@@ -86,6 +88,7 @@ def evaluate(
     passkey_seeds: Sequence[int] = (0,),
     passkey_template: str = "plain",
     include_uncompressed: bool = True,
+    windows: int = 1,
     progress: bool = True,
     log: Callable[[str], None] = print,
 ) -> list[dict]:
@@ -98,12 +101,14 @@ def evaluate(
         context: tokens of `text` (default: the shipped eval text) used for perplexity, see `perplexity`.
         passkey: also run passkey retrieval at `passkey_lengths` x `passkey_depths` x `passkey_seeds`.
         include_uncompressed: run the DynamicCache reference row (deltas are relative to it).
+        windows: score that many disjoint consecutive windows of `context` tokens; a row's ppl is over all
+            their scored tokens, its delta the mean of the per-window deltas (with their min and max).
         log: receives notes (skipped baselines).
     Returns: rows (dicts with ROW_KEYS), in run order, deltas filled in when the reference ran.
     """
-    ids = context_ids(tokenizer, context, text)
+    ids = context_windows(tokenizer, context, windows, text)
     entries = cache_entries(model, presets, configs, baselines, include_uncompressed, log)
-    n_steps = len(entries) * (context - context // 2 - 1)
+    n_steps = len(entries) * windows * (context - context // 2 - 1)
     n_trials = len(entries) * len(passkey_lengths) * len(passkey_depths) * len(passkey_seeds) if passkey else 0
     rows = []
     with _progress(progress) as bar:
@@ -130,19 +135,27 @@ def evaluate(
 
 
 def perplexity_row(model, tokenizer, entry: CacheEntry, ids, on_step=None) -> dict:
-    """One row from a perplexity run: quality, memory at the end of the run, decode time."""
-    res = perplexity(model, tokenizer, entry.factory, ids, on_step=on_step)
+    """One row from perplexity runs over the windows `ids` (a [1, N] tensor or a list of them): quality
+    over all their scored tokens, per-window perplexities, memory at the end of the last, decode time."""
+    windows = [ids] if isinstance(ids, torch.Tensor) else list(ids)
+    runs = [perplexity(model, tokenizer, entry.factory, w, on_step=on_step) for w in windows]
+    res = runs[-1]
+    n_tokens = sum(r.n_tokens for r in runs)
+    nll = sum(r.nll * r.n_tokens for r in runs) / n_tokens
     memory = res.memory if res.memory is not None else tensor_memory(res.cache, model.config)
     memory = memory or {}
     held = memory.get("tokens_held")
     return {
         "name": entry.name,
         "kind": entry.kind,
-        "context": int(ids.shape[1]),
-        "ppl": res.ppl,
-        "nll": res.nll,
+        "context": int(windows[0].shape[1]),
+        "windows": len(windows),
+        "ppl": math.exp(nll),
+        "nll": nll,
+        "ppl_windows": [r.ppl for r in runs],
         "ppl_delta_pct": None,
-        "n_tokens": res.n_tokens,
+        "ppl_delta_pct_windows": None,
+        "n_tokens": n_tokens,
         "passkey": None,
         "passkey_trials": [],
         "held_bytes": memory.get("held_bytes"),
@@ -161,7 +174,13 @@ def add_deltas(rows: list[dict]) -> list[dict]:
     if ref is None or not math.isfinite(ref["ppl"]):
         return rows
     for r in rows:
-        r["ppl_delta_pct"] = 100.0 * (r["ppl"] / ref["ppl"] - 1.0)
+        per = r.get("ppl_windows") or [r["ppl"]]
+        ref_per = ref.get("ppl_windows") or [ref["ppl"]]
+        if len(per) == len(ref_per) and len(per) > 1:
+            r["ppl_delta_pct_windows"] = [100.0 * (a / b - 1.0) for a, b in zip(per, ref_per)]
+            r["ppl_delta_pct"] = sum(r["ppl_delta_pct_windows"]) / len(per)
+        else:
+            r["ppl_delta_pct"] = 100.0 * (r["ppl"] / ref["ppl"] - 1.0)
     return rows
 
 

@@ -21,12 +21,21 @@ def _count(x) -> str:
     return "n/a" if x is None else f"{x:g}" if isinstance(x, float) else str(x)
 
 
+def _delta(r: dict) -> str:
+    """Δppl; over several windows the mean, then [min, max] of the per-window deltas."""
+    per = r.get("ppl_delta_pct_windows")
+    text = _num(r.get("ppl_delta_pct"), "+.3f", "%")
+    if per and len(per) > 1:
+        text += f" [{min(per):+.2f}, {max(per):+.2f}]"
+    return text
+
+
 def row_cells(r: dict) -> list[str]:
     held, read = r.get("tokens_held"), r.get("tokens_read")
     return [
         r["name"],
         _num(r["ppl"], ".4f"),
-        _num(r.get("ppl_delta_pct"), "+.3f", "%"),
+        _delta(r),
         _num(r.get("passkey"), ".0%") if r.get("passkey") is not None else "-",
         fmt_bytes(r["held_bytes"]) if r.get("held_bytes") is not None else "n/a",
         _num(r.get("compression_ratio"), ".2f", "x"),
