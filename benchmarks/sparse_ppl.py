@@ -29,9 +29,16 @@ def config(name, spec):
     return KVCompressConfig(layout=layout, layers=[LayerPolicy(sparsity=spec) for _ in range(layout.num_layers)], name=name)
 
 
-def layered(name, method, ratios, **kw):
-    """One ratio per layer (1.0: the layer stays dense, counted as holding/reading the whole context)."""
-    specs = [SparsitySpec(method, ratio=r, **kw) if r < 1.0 else SparsitySpec() for r in ratios]
+def layered(name, method, ratios, recent_share=0.0, recent=0, **kw):
+    """One ratio per layer (1.0: the layer stays dense, counted as holding/reading the whole context).
+
+    recent_share: H2O's recent window as a share of the layer's budget at the mean decode context
+    (768 tokens here; SparsitySpec.recent is a token count), 0: half of the budget."""
+    specs = [
+        SparsitySpec(method, ratio=r, recent=int(recent_share * r * 768) if recent_share else recent, **kw)
+        if r < 1.0 else SparsitySpec()
+        for r in ratios
+    ]
     return KVCompressConfig(layout=layout, layers=[LayerPolicy(sparsity=s) for s in specs], name=name)
 
 
@@ -71,7 +78,41 @@ CONFIGS = {
     "h2o-25-A": layered("h2o-25-A", "h2o", fixed(0.25, dense([2, 3, 6, 7])), page_size=16),
     "h2o-25-B": layered("h2o-25-B", "h2o", fixed(0.25, {**dense([6, 7]), **{i: 0.5 for i in (2, 3, 14, 15)}}), page_size=16),
     "h2o-25-C": layered("h2o-25-C", "h2o", fixed(0.25, {i: 0.5 for i in (2, 3, 6, 7, 14, 15)}), page_size=16),
+    # H2O at 25%: tiers from the probes (insensitive pairs 4-5, 12-13, 18-19, 22-23, 24-25 get least)
+    "h2o-25-D": layered("h2o-25-D", "h2o", fixed(0.25, {
+        **{i: 0.6 for i in (6, 7)}, **{i: 0.45 for i in (2, 3, 14, 15)},
+        **{i: 0.3 for i in (16, 17, 20, 21, 26, 27)}, **{i: 0.1 for i in (18, 19, 22, 23)}}), page_size=16),
+    "h2o-25-E": layered("h2o-25-E", "h2o", fixed(0.25, {
+        **{i: 0.5 for i in (2, 3, 6, 7, 14, 15)}, **{i: 0.1 for i in (4, 5, 12, 13, 18, 19, 22, 23)}}), page_size=16),
+    "h2o-25-F": layered("h2o-25-F", "h2o", fixed(0.25, {
+        **{i: 0.6 for i in (2, 3, 6, 7, 14, 15)}, **{i: 0.08 for i in (4, 5, 12, 13, 18, 19, 22, 23, 24, 25)}}), page_size=16),
 }
+H2O_25_C = fixed(0.25, {i: 0.5 for i in (2, 3, 6, 7, 14, 15)})
+H2O_25_D = fixed(0.25, {
+    **{i: 0.6 for i in (6, 7)}, **{i: 0.45 for i in (2, 3, 14, 15)},
+    **{i: 0.3 for i in (16, 17, 20, 21, 26, 27)}, **{i: 0.1 for i in (18, 19, 22, 23)}})
+for _share in (0.75, 0.9):
+    _tag = f"r{round(_share * 100)}"
+    CONFIGS[f"h2o-25-C-{_tag}"] = layered(f"h2o-25-C-{_tag}", "h2o", H2O_25_C, recent_share=_share, page_size=16)
+    CONFIGS[f"h2o-25-D-{_tag}"] = layered(f"h2o-25-D-{_tag}", "h2o", H2O_25_D, recent_share=_share, page_size=16)
+    CONFIGS[f"h2o-50-C-{_tag}"] = layered(f"h2o-50-C-{_tag}", "h2o", fixed(0.5, dense([2, 3, 6, 7])), recent_share=_share, page_size=16)
+CONFIGS["h2o-25-D-p8"] = layered("h2o-25-D-p8", "h2o", H2O_25_D, page_size=8)
+CONFIGS.update({
+    # Quest at 25%: same mean read as quest-25% (ratio 0.25 + 2 dense layers = 0.30 nominal) ...
+    "quest-25-E": layered("quest-25-E", "quest", fixed(0.30, dense([6, 7])), page_size=8),
+    "quest-25-F": layered("quest-25-F", "quest", fixed(0.30, dense([2, 3, 6, 7])), page_size=8),
+    "quest-25-G": layered("quest-25-G", "quest", fixed(0.30, {**dense([6, 7]), **{i: 0.5 for i in (2, 3, 14, 15)}}), page_size=8),
+    # ... and strict 25% mean (dense layers counted at 100%)
+    "quest-25-A": layered("quest-25-A", "quest", fixed(0.25, dense([6, 7])), page_size=8),
+    "quest-25-C": layered("quest-25-C", "quest", fixed(0.25, {**dense([6, 7]), **{i: 0.5 for i in (2, 3, 14, 15)}}), page_size=8),
+})
+QUEST_25_G = fixed(0.30, {**dense([6, 7]), **{i: 0.5 for i in (2, 3, 14, 15)}})
+CONFIGS["quest-25-G-p4"] = layered("quest-25-G-p4", "quest", QUEST_25_G, page_size=4)
+CONFIGS["quest-25-E-p4"] = layered("quest-25-E-p4", "quest", fixed(0.30, dense([6, 7])), page_size=4)
+CONFIGS["quest-25%-p4"] = config("quest-25%-p4", SparsitySpec("quest", ratio=0.25, page_size=4, dense_layers=2))
+for _w in (32, 64, 128):  # Quest reading the pages of the newest _w tokens always (QuestPolicy.recent)
+    CONFIGS[f"quest-25-G-w{_w}"] = layered(f"quest-25-G-w{_w}", "quest", QUEST_25_G, recent=_w, page_size=8)
+    CONFIGS[f"quest-25%-w{_w}"] = config(f"quest-25%-w{_w}", SparsitySpec("quest", ratio=0.25, page_size=8, dense_layers=2, recent=_w))
 # per-layer sensitivity probes: only layers a, a+1 sparse (at 25%), every other layer dense
 for _a in range(0, layout.num_layers, 2):
     _r = [0.25 if i in (_a, _a + 1) else 1.0 for i in range(layout.num_layers)]
