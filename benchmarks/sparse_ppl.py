@@ -5,6 +5,7 @@ kvcompress/data/eval.txt, decode the rest token by token (teacher forcing), perp
 """
 import importlib.resources as ir
 import math
+import os
 import sys
 import time
 
@@ -20,8 +21,10 @@ N = int(sys.argv[1]) if len(sys.argv) > 1 else 1024
 only = sys.argv[2].split(",") if len(sys.argv) > 2 else None
 model, tok = kvcompress.load_model()
 model.eval()
-text = (ir.files("kvcompress") / "data" / "eval.txt").read_text()
-ids = tok(text, return_tensors="pt").input_ids[:, :N]
+# TEXT=calib / OFFSET=<tokens>: a held-out check on another text or another slice of eval.txt
+text = (ir.files("kvcompress") / "data" / (os.environ.get("TEXT", "eval") + ".txt")).read_text()
+OFFSET = int(os.environ.get("OFFSET", "0"))
+ids = tok(text, return_tensors="pt").input_ids[:, OFFSET:OFFSET + N]
 layout = ModelLayout.from_model_config(model.config)
 
 
@@ -62,6 +65,8 @@ def dense(layers):
 
 CONFIGS = {
     "h2o-50": "h2o-50",
+    "smollm2-h2o-50": "smollm2-h2o-50",  # = h2o-50-A below
+    "smollm2-quest-25": "smollm2-quest-25",  # = quest-25-G-p4 below
     "h2o-25": config("h2o-25", SparsitySpec("h2o", ratio=0.25, page_size=16)),
     "quest-50%": config("quest-50%", SparsitySpec("quest", ratio=0.5, page_size=8, dense_layers=2)),
     "quest-25%": config("quest-25%", SparsitySpec("quest", ratio=0.25, page_size=8, dense_layers=2)),
@@ -91,11 +96,15 @@ H2O_25_C = fixed(0.25, {i: 0.5 for i in (2, 3, 6, 7, 14, 15)})
 H2O_25_D = fixed(0.25, {
     **{i: 0.6 for i in (6, 7)}, **{i: 0.45 for i in (2, 3, 14, 15)},
     **{i: 0.3 for i in (16, 17, 20, 21, 26, 27)}, **{i: 0.1 for i in (18, 19, 22, 23)}})
-for _share in (0.75, 0.9):
-    _tag = f"r{round(_share * 100)}"
-    CONFIGS[f"h2o-25-C-{_tag}"] = layered(f"h2o-25-C-{_tag}", "h2o", H2O_25_C, recent_share=_share, page_size=16)
-    CONFIGS[f"h2o-25-D-{_tag}"] = layered(f"h2o-25-D-{_tag}", "h2o", H2O_25_D, recent_share=_share, page_size=16)
-    CONFIGS[f"h2o-50-C-{_tag}"] = layered(f"h2o-50-C-{_tag}", "h2o", fixed(0.5, dense([2, 3, 6, 7])), recent_share=_share, page_size=16)
+# without sinks a recent window as large as the budget evicts the attention sinks: +109% (r75 below, 0 sinks)
+CONFIGS["h2o-25-D-r75"] = layered("h2o-25-D-r75", "h2o", H2O_25_D, recent_share=0.75, page_size=16)
+# H2OPolicy.sinks (SparsitySpec.sinks): the first 4 tokens always kept
+CONFIGS["h2o-25-D-s4"] = layered("h2o-25-D-s4", "h2o", H2O_25_D, sinks=4, page_size=16)
+for _share in (0.15, 0.25, 0.35):  # a smaller recent window (more heavy hitters), sinks not forced
+    CONFIGS[f"h2o-25-D-r{round(_share * 100)}"] = layered(f"h2o-25-D-r{round(_share * 100)}", "h2o", H2O_25_D, recent_share=_share, page_size=16)
+for _share in (0.75, 1.0):
+    _tag = f"s4-r{round(_share * 100)}"
+    CONFIGS[f"h2o-25-D-{_tag}"] = layered(f"h2o-25-D-{_tag}", "h2o", H2O_25_D, recent_share=_share, sinks=4, page_size=16)
 CONFIGS["h2o-25-D-p8"] = layered("h2o-25-D-p8", "h2o", H2O_25_D, page_size=8)
 CONFIGS.update({
     # Quest at 25%: same mean read as quest-25% (ratio 0.25 + 2 dense layers = 0.30 nominal) ...
@@ -110,6 +119,10 @@ QUEST_25_G = fixed(0.30, {**dense([6, 7]), **{i: 0.5 for i in (2, 3, 14, 15)}})
 CONFIGS["quest-25-G-p4"] = layered("quest-25-G-p4", "quest", QUEST_25_G, page_size=4)
 CONFIGS["quest-25-E-p4"] = layered("quest-25-E-p4", "quest", fixed(0.30, dense([6, 7])), page_size=4)
 CONFIGS["quest-25%-p4"] = config("quest-25%-p4", SparsitySpec("quest", ratio=0.25, page_size=4, dense_layers=2))
+# strict 25% mean read with pages of 4
+CONFIGS["quest-25-A-p4"] = layered("quest-25-A-p4", "quest", fixed(0.25, dense([6, 7])), page_size=4)
+CONFIGS["quest-25-C-p4"] = layered("quest-25-C-p4", "quest", fixed(0.25, {**dense([6, 7]), **{i: 0.5 for i in (2, 3, 14, 15)}}), page_size=4)
+CONFIGS["quest-25-U-p4"] = config("quest-25-U-p4", SparsitySpec("quest", ratio=0.25, page_size=4))  # no dense layer
 for _w in (32, 64, 128):  # Quest reading the pages of the newest _w tokens always (QuestPolicy.recent)
     CONFIGS[f"quest-25-G-w{_w}"] = layered(f"quest-25-G-w{_w}", "quest", QUEST_25_G, recent=_w, page_size=8)
     CONFIGS[f"quest-25%-w{_w}"] = config(f"quest-25%-w{_w}", SparsitySpec("quest", ratio=0.25, page_size=8, dense_layers=2, recent=_w))
@@ -135,8 +148,6 @@ def ppl(cache):
     mean = lambda x: sum(x) / len(x) if x else float("nan")  # noqa: E731
     return math.exp(nll / (N - half)), mean(read), mean(held)
 
-
-import os
 
 # BASE=<ppl> skips the uncompressed run (when configs are measured in several processes)
 base = float(os.environ["BASE"]) if "BASE" in os.environ else ppl(DynamicCache(config=model.config))[0]

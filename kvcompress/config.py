@@ -21,6 +21,7 @@ FORMAT_VERSION = 1
 QUANT_METHODS = ("none", "fp8", "int", "nuq", "bnb")
 FP8_FORMATS = ("e4m3", "e5m2")
 QUANT_AXES = ("channel", "token", "page")
+CODEBOOKS = ("gaussian", "laplace")
 SPARSITY_METHODS = ("none", "streaming", "h2o", "snapkv", "quest")
 # Per-stream tensors a config may carry (key.<name> / value.<name>), and per-layer ones.
 # fp8_scale: calibrated static FP8 scales [H] of a stream not stored as FP8, kept for serving-engine exports.
@@ -45,6 +46,8 @@ class QuantSpec:
     grouping); "channel" = per channel for the whole sequence (nuq: calibrated or frozen at the first
     page; for "int" it means per channel within each page, as "page").
     group_size: channels per group for per-token statistics (0 = the whole head).
+    codebook: nuq's data-oblivious levels where calibration gives none: Lloyd-Max for a unit Gaussian or
+    a unit Laplace density (wider outer levels, for heavy-tailed streams).
     """
 
     method: str = "none"
@@ -56,6 +59,7 @@ class QuantSpec:
     rotation: bool = False
     bnb_type: str = "nf4"
     bnb_blocksize: int = 64
+    codebook: str = "gaussian"
 
     def __post_init__(self):
         if self.method not in QUANT_METHODS:
@@ -76,6 +80,8 @@ class QuantSpec:
             raise ConfigError(f"outlier_fraction must be in [0, 0.5), got {self.outlier_fraction}")
         if self.group_size < 0:
             raise ConfigError(f"group_size must be >= 0, got {self.group_size}")
+        if self.codebook not in CODEBOOKS:
+            raise ConfigError(f"unknown codebook {self.codebook!r}; use one of {CODEBOOKS}")
 
     @property
     def is_lossless(self) -> bool:

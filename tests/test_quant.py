@@ -306,3 +306,27 @@ def test_codec_bits_match_the_bytes_stored(preset):
         elements = store.n_tokens * 3 * 64
         assert 8 * per_token / elements == pytest.approx(store.codec.bits, rel=1e-9)
         assert 8 * once / elements < 0.04
+
+
+def test_laplace_codebook_fits_heavy_tails():
+    """The Laplace Lloyd-Max levels are sorted and wider than the Gaussian ones, and code Laplace samples
+    with less error than the Gaussian levels do (and Gaussian samples with more): each fits its density."""
+    from kvcompress.config import ConfigError
+    from kvcompress.quant.codebook import gaussian_lloyd_max, laplace_lloyd_max, nearest_level
+
+    lap, gau = laplace_lloyd_max(4), gaussian_lloyd_max(4)
+    assert torch.all(lap[1:] > lap[:-1]) and lap.max() > gau.max() + 1.0
+    g = torch.Generator().manual_seed(40)
+    x_lap = torch.distributions.Laplace(0.0, 2 ** -0.5).sample((200_000,))
+    x_gau = torch.randn(200_000, generator=g)
+
+    def mse(x, levels):
+        return float((levels[nearest_level(x, levels).long()] - x).pow(2).mean())
+
+    assert mse(x_lap, lap) < 0.9 * mse(x_lap, gau)
+    assert mse(x_gau, gau) < mse(x_gau, lap)
+    codec = make_codec(QuantSpec(method="nuq", bits=4, codebook="laplace"), page_size=16, head_dim=64, num_heads=2,
+                       dtype=torch.float32, tensors={}, seed=0)
+    assert torch.equal(codec.codebook, lap)
+    with pytest.raises(ConfigError, match="codebook"):
+        QuantSpec(method="nuq", bits=4, codebook="uniform")

@@ -1,8 +1,10 @@
-"""Scalar codebooks: Lloyd-Max levels for a standard Gaussian, and weighted 1-D k-means on samples.
+"""Scalar codebooks: Lloyd-Max levels for a unit-variance Gaussian or Laplace density, and weighted 1-D
+k-means on samples.
 
 The Gaussian codebook is the data-oblivious default (TurboQuant's observation: after a random
-rotation, or after normalising each channel / token, a coordinate is close to Gaussian); the
-weighted k-means fit is what calibration uses on real activations.
+rotation, or after normalising each channel / token, a coordinate is close to Gaussian); the Laplace
+one has wider outer levels for heavy-tailed streams (per-token normalised values are); the weighted
+k-means fit is what calibration uses on real activations.
 """
 
 from __future__ import annotations
@@ -20,6 +22,22 @@ def gaussian_lloyd_max(bits: int, iters: int = 200) -> torch.Tensor:
     weight = torch.exp(-0.5 * grid**2)
     levels = torch.linspace(-2.5, 2.5, 2**bits, dtype=torch.float64) * (1.0 if bits > 1 else 0.8)
     return _lloyd(grid, weight, levels, iters).to(torch.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def laplace_lloyd_max(bits: int, iters: int = 300) -> torch.Tensor:
+    """Lloyd-Max levels (sorted, float32 [2**bits]) minimising MSE for a unit-variance Laplace density."""
+    grid = torch.linspace(-16.0, 16.0, 64001, dtype=torch.float64)
+    weight = torch.exp(-math.sqrt(2.0) * grid.abs())
+    levels = torch.linspace(-2.5, 2.5, 2**bits, dtype=torch.float64) * (1.0 if bits > 1 else 0.8)
+    return _lloyd(grid, weight, levels, iters).to(torch.float32)
+
+
+def default_codebook(name: str, bits: int) -> torch.Tensor:
+    """The data-oblivious codebook `name` ("gaussian" or "laplace") of 2**bits levels."""
+    if name == "laplace":
+        return laplace_lloyd_max(bits)
+    return gaussian_lloyd_max(bits)
 
 
 def fit_codebook(samples: torch.Tensor, bits: int, weights: torch.Tensor | None = None, iters: int = 30) -> torch.Tensor:

@@ -44,6 +44,7 @@ def make_codec(
             axis=spec.axis,
             outlier_fraction=spec.outlier_fraction,
             codebook=tensors.get("codebook"),
+            default_codebook=spec.codebook,
             rotation_signs=signs if spec.rotation else None,
             channel_mean=tensors.get("channel_mean"),
             channel_scale=tensors.get("channel_scale"),

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcompress.quant.base import Codec, FieldKind, Role
-from kvcompress.quant.codebook import gaussian_lloyd_max, nearest_level
+from kvcompress.quant.codebook import default_codebook, nearest_level
 from kvcompress.quant.pack import pack, packed_width, unpack
 from kvcompress.quant.rotation import rotate, unrotate
 
@@ -44,13 +44,14 @@ class NuqCodec(Codec):
     channel_mean: torch.Tensor | None = None  # [H, D] calibrated
     channel_scale: torch.Tensor | None = None  # [H, D] calibrated
     outlier_dtype: torch.dtype = torch.float16
+    default_codebook: str = "gaussian"  # "gaussian" | "laplace": levels used when none are given
 
     def __post_init__(self):
         if self.codebook is None:
             if self.axis == "page":
                 self.codebook = torch.linspace(-1.0, 1.0, 2**self.nbits)
             else:
-                self.codebook = gaussian_lloyd_max(self.nbits).clone()
+                self.codebook = default_codebook(self.default_codebook, self.nbits).clone()
         assert self.codebook.shape[-1] == 2**self.nbits, "codebook must have 2**bits levels"
 
     @property
