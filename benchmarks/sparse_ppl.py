@@ -65,8 +65,6 @@ def dense(layers):
 
 CONFIGS = {
     "h2o-50": "h2o-50",
-    "smollm2-h2o-50": "smollm2-h2o-50",  # = h2o-50-A below
-    "smollm2-quest-25": "smollm2-quest-25",  # = quest-25-G-p4 below
     "h2o-25": config("h2o-25", SparsitySpec("h2o", ratio=0.25, page_size=16)),
     "quest-50%": config("quest-50%", SparsitySpec("quest", ratio=0.5, page_size=8, dense_layers=2)),
     "quest-25%": config("quest-25%", SparsitySpec("quest", ratio=0.25, page_size=8, dense_layers=2)),
@@ -102,6 +100,7 @@ CONFIGS["h2o-25-D-r75"] = layered("h2o-25-D-r75", "h2o", H2O_25_D, recent_share=
 CONFIGS["h2o-25-D-s4"] = layered("h2o-25-D-s4", "h2o", H2O_25_D, sinks=4, page_size=16)
 for _share in (0.15, 0.25, 0.35):  # a smaller recent window (more heavy hitters), sinks not forced
     CONFIGS[f"h2o-25-D-r{round(_share * 100)}"] = layered(f"h2o-25-D-r{round(_share * 100)}", "h2o", H2O_25_D, recent_share=_share, page_size=16)
+CONFIGS["h2o-25-D-r25-p8"] = layered("h2o-25-D-r25-p8", "h2o", H2O_25_D, recent_share=0.25, page_size=8)
 for _share in (0.75, 1.0):
     _tag = f"s4-r{round(_share * 100)}"
     CONFIGS[f"h2o-25-D-{_tag}"] = layered(f"h2o-25-D-{_tag}", "h2o", H2O_25_D, recent_share=_share, sinks=4, page_size=16)

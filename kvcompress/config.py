@@ -21,7 +21,7 @@ FORMAT_VERSION = 1
 QUANT_METHODS = ("none", "fp8", "int", "nuq", "bnb")
 FP8_FORMATS = ("e4m3", "e5m2")
 QUANT_AXES = ("channel", "token", "page")
-CODEBOOKS = ("gaussian", "laplace")
+CODEBOOKS = ("gaussian", "laplace", "student_t5")
 SPARSITY_METHODS = ("none", "streaming", "h2o", "snapkv", "quest")
 # Per-stream tensors a config may carry (key.<name> / value.<name>), and per-layer ones.
 # fp8_scale: calibrated static FP8 scales [H] of a stream not stored as FP8, kept for serving-engine exports.
@@ -46,8 +46,8 @@ class QuantSpec:
     grouping); "channel" = per channel for the whole sequence (nuq: calibrated or frozen at the first
     page; for "int" it means per channel within each page, as "page").
     group_size: channels per group for per-token statistics (0 = the whole head).
-    codebook: nuq's data-oblivious levels where calibration gives none: Lloyd-Max for a unit Gaussian or
-    a unit Laplace density (wider outer levels, for heavy-tailed streams).
+    codebook: nuq's data-oblivious levels where calibration gives none: Lloyd-Max for a unit-variance
+    Gaussian, Laplace or Student-t (5 degrees of freedom) density (the last two for heavy-tailed streams).
     """
 
     method: str = "none"

@@ -328,5 +328,9 @@ def test_laplace_codebook_fits_heavy_tails():
     codec = make_codec(QuantSpec(method="nuq", bits=4, codebook="laplace"), page_size=16, head_dim=64, num_heads=2,
                        dtype=torch.float32, tensors={}, seed=0)
     assert torch.equal(codec.codebook, lap)
+    from kvcompress.quant.codebook import student_t5_lloyd_max
+
+    t5 = student_t5_lloyd_max(4)
+    assert torch.all(t5[1:] > t5[:-1]) and t5.max() > lap.max()  # the heaviest tails of the three
     with pytest.raises(ConfigError, match="codebook"):
         QuantSpec(method="nuq", bits=4, codebook="uniform")

@@ -33,10 +33,24 @@ def laplace_lloyd_max(bits: int, iters: int = 300) -> torch.Tensor:
     return _lloyd(grid, weight, levels, iters).to(torch.float32)
 
 
+@functools.lru_cache(maxsize=None)
+def student_t5_lloyd_max(bits: int, iters: int = 300) -> torch.Tensor:
+    """Lloyd-Max levels (sorted, float32 [2**bits]) minimising MSE for a unit-variance Student-t density with
+    5 degrees of freedom (tails between the Gaussian's and far wider outer levels)."""
+    nu = 5.0
+    s = math.sqrt((nu - 2.0) / nu)  # the t5 scale of unit variance
+    grid = torch.linspace(-16.0, 16.0, 64001, dtype=torch.float64)
+    weight = (1.0 + (grid / s) ** 2 / nu) ** (-(nu + 1.0) / 2.0)
+    levels = torch.linspace(-2.5, 2.5, 2**bits, dtype=torch.float64) * (1.0 if bits > 1 else 0.8)
+    return _lloyd(grid, weight, levels, iters).to(torch.float32)
+
+
 def default_codebook(name: str, bits: int) -> torch.Tensor:
-    """The data-oblivious codebook `name` ("gaussian" or "laplace") of 2**bits levels."""
+    """The data-oblivious codebook `name` ("gaussian", "laplace" or "student_t5") of 2**bits levels."""
     if name == "laplace":
         return laplace_lloyd_max(bits)
+    if name == "student_t5":
+        return student_t5_lloyd_max(bits)
     return gaussian_lloyd_max(bits)
 
 

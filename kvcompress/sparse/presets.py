@@ -9,19 +9,13 @@
   whole packed pages, so smaller pages keep its choices fine-grained).
 - pyramid-h2o-20: H2O with budgets decreasing linearly over depth (PyramidKV, arXiv:2406.02069),
   from 1.8x to 0.2x of 20% of the context, 20% on average.
-- smollm2-h2o-50 / smollm2-quest-25: per-layer budgets measured on SmolLM2-135M (30 layers): the
-  layers that cost most when sparsified alone (pairs 6-7, 2-3, 14-15) stay dense or get more, the
-  others share the rest, so the mean over the layers (a dense layer counted at 100%) is unchanged.
-  H2O at 50%: layers 2, 3, 6, 7, 14, 15 dense, the others 37.5% (ΔPPL -0.01% against +1.57% for
-  h2o-50, benchmarks/sparse_ppl.py). Quest: layers 6, 7 dense, 2, 3, 14, 15 at 50%, the others 20.8%,
-  pages of 4: the same mean read as 25% with 2 dense layers (30%), ΔPPL +0.51% against +2.92%.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from kvcompress.config import ConfigError, LayerPolicy, SparsitySpec
+from kvcompress.config import LayerPolicy, SparsitySpec
 from kvcompress.layout.arch import ModelLayout
 from kvcompress.presets import PRESETS, LayerFn, register_preset
 
@@ -48,22 +42,6 @@ def _pyramid_h2o(ratio: float, top: float = 1.8, bottom: float = 0.2) -> LayerFn
     return fn
 
 
-def _per_layer(method: str, share: float, fixed: dict[int, float], num_layers: int, **spec) -> LayerFn:
-    """Ratios `fixed` {layer: ratio} (1.0: dense), the other layers equal, the mean over layers `share`."""
-    rest = (share * num_layers - sum(fixed.values())) / (num_layers - len(fixed))
-
-    def fn(layout: ModelLayout, i: int) -> LayerPolicy:
-        if layout.num_layers != num_layers:
-            raise ConfigError(
-                f"this preset's per-layer budgets were measured on a {num_layers}-layer model, got "
-                f"{layout.num_layers} layers; use a uniform preset (h2o-50, quest-1024) for this model"
-            )
-        ratio = fixed.get(i, rest)
-        return LayerPolicy() if ratio >= 1.0 else LayerPolicy(sparsity=SparsitySpec(method=method, ratio=ratio, **spec))
-
-    return fn
-
-
 def h2o(ratio: float = 0.0, budget: int = 0) -> SparsitySpec:
     return SparsitySpec(method="h2o", ratio=ratio, budget=budget, page_size=SPARSE_PAGE)
 
@@ -86,8 +64,3 @@ for _n in (512, 1024, 2048):
 register_preset("nuq4+h2o-20", _sparse(h2o(0.2), base="nuq4", page_size=SPARSE_PAGE))
 register_preset("nuq4+quest-1024", _sparse(quest(1024), base="nuq4", page_size=SPARSE_PAGE))
 register_preset("pyramid-h2o-20", _pyramid_h2o(0.2))
-_DENSE = 1.0
-register_preset("smollm2-h2o-50", _per_layer(
-    "h2o", 0.5, {i: _DENSE for i in (2, 3, 6, 7, 14, 15)}, 30, page_size=SPARSE_PAGE))
-register_preset("smollm2-quest-25", _per_layer(
-    "quest", 0.30, {6: _DENSE, 7: _DENSE, 2: 0.5, 3: 0.5, 14: 0.5, 15: 0.5}, 30, page_size=4))
