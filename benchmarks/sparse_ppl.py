@@ -96,14 +96,9 @@ H2O_25_D = fixed(0.25, {
     **{i: 0.3 for i in (16, 17, 20, 21, 26, 27)}, **{i: 0.1 for i in (18, 19, 22, 23)}})
 # without sinks a recent window as large as the budget evicts the attention sinks: +109% (r75 below, 0 sinks)
 CONFIGS["h2o-25-D-r75"] = layered("h2o-25-D-r75", "h2o", H2O_25_D, recent_share=0.75, page_size=16)
-# H2OPolicy.sinks (SparsitySpec.sinks): the first 4 tokens always kept
-CONFIGS["h2o-25-D-s4"] = layered("h2o-25-D-s4", "h2o", H2O_25_D, sinks=4, page_size=16)
 for _share in (0.15, 0.25, 0.35):  # a smaller recent window (more heavy hitters), sinks not forced
     CONFIGS[f"h2o-25-D-r{round(_share * 100)}"] = layered(f"h2o-25-D-r{round(_share * 100)}", "h2o", H2O_25_D, recent_share=_share, page_size=16)
 CONFIGS["h2o-25-D-r25-p8"] = layered("h2o-25-D-r25-p8", "h2o", H2O_25_D, recent_share=0.25, page_size=8)
-for _share in (0.75, 1.0):
-    _tag = f"s4-r{round(_share * 100)}"
-    CONFIGS[f"h2o-25-D-{_tag}"] = layered(f"h2o-25-D-{_tag}", "h2o", H2O_25_D, recent_share=_share, sinks=4, page_size=16)
 CONFIGS["h2o-25-D-p8"] = layered("h2o-25-D-p8", "h2o", H2O_25_D, page_size=8)
 CONFIGS.update({
     # Quest at 25%: same mean read as quest-25% (ratio 0.25 + 2 dense layers = 0.30 nominal) ...
@@ -122,9 +117,6 @@ CONFIGS["quest-25%-p4"] = config("quest-25%-p4", SparsitySpec("quest", ratio=0.2
 CONFIGS["quest-25-A-p4"] = layered("quest-25-A-p4", "quest", fixed(0.25, dense([6, 7])), page_size=4)
 CONFIGS["quest-25-C-p4"] = layered("quest-25-C-p4", "quest", fixed(0.25, {**dense([6, 7]), **{i: 0.5 for i in (2, 3, 14, 15)}}), page_size=4)
 CONFIGS["quest-25-U-p4"] = config("quest-25-U-p4", SparsitySpec("quest", ratio=0.25, page_size=4))  # no dense layer
-for _w in (32, 64, 128):  # Quest reading the pages of the newest _w tokens always (QuestPolicy.recent)
-    CONFIGS[f"quest-25-G-w{_w}"] = layered(f"quest-25-G-w{_w}", "quest", QUEST_25_G, recent=_w, page_size=8)
-    CONFIGS[f"quest-25%-w{_w}"] = config(f"quest-25%-w{_w}", SparsitySpec("quest", ratio=0.25, page_size=8, dense_layers=2, recent=_w))
 # per-layer sensitivity probes: only layers a, a+1 sparse (at 25%), every other layer dense
 for _a in range(0, layout.num_layers, 2):
     _r = [0.25 if i in (_a, _a + 1) else 1.0 for i in range(layout.num_layers)]

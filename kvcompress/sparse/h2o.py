@@ -14,16 +14,14 @@ from dataclasses import dataclass
 import torch
 
 from kvcompress.config import ConfigError, SparsitySpec
-from kvcompress.sparse.base import SparsePolicy, compact, recent_mask, sink_mask
+from kvcompress.sparse.base import SparsePolicy, compact, recent_mask
 
 
 @dataclass
 class H2OPolicy(SparsePolicy):
-    """recent: tokens of the recent window (0: half of the budget, "half heavy, half recent");
-    sinks: the first real tokens, always kept (0: none forced, they compete as heavy hitters)."""
+    """recent: tokens of the recent window (0: half of the budget, "half heavy, half recent")."""
 
     recent: int = 0
-    sinks: int = 0
 
     def __post_init__(self):
         super().__post_init__()
@@ -31,14 +29,10 @@ class H2OPolicy(SparsePolicy):
             raise ConfigError(
                 f"H2O recent window must be in [0, budget]; got {self.recent} for budget {self.budget}"
             )
-        if self.sinks < 0:
-            raise ConfigError(f"H2O sinks must be >= 0, got {self.sinks}")
 
     @classmethod
     def from_spec(cls, spec: SparsitySpec) -> "H2OPolicy":
-        return cls(
-            budget=spec.budget, ratio=spec.ratio, page_size=spec.page_size, recent=spec.recent, sinks=spec.sinks
-        )
+        return cls(budget=spec.budget, ratio=spec.ratio, page_size=spec.page_size, recent=spec.recent)
 
     def recent_window(self, budget: int) -> int:
         return min(self.recent, budget) if self.recent else budget // 2
@@ -54,8 +48,5 @@ class H2OPolicy(SparsePolicy):
         slack = 0 if q > 1 else (self.page_size if not layer.compressed else layer.key_store.page_size)
         if held <= budget + slack:
             return
-        sinks = min(self.sinks, budget - 1)
-        forced = recent_mask(held, self.recent_window(budget - sinks), valid)
-        if sinks:
-            forced = forced | sink_mask(valid, sinks)
+        forced = recent_mask(held, self.recent_window(budget), valid)
         compact(layer, state, state.scores, forced, valid, budget)

@@ -69,24 +69,19 @@ def page_scores(
 
 @dataclass
 class QuestPolicy(SparsePolicy):
-    """radius_scale: how much of a page's key range counts in its logit (1.0: Quest's upper bound).
-    recent: the pages holding the newest `recent` tokens are always read, within the budget (0: only
-    the newest page)."""
+    """radius_scale: how much of a page's key range counts in its logit (1.0: Quest's upper bound)."""
 
     radius_scale: float = RADIUS_SCALE
-    recent: int = 0
     keeps_page_summaries = True
 
     def __post_init__(self):
         super().__post_init__()
         if not 0.0 <= self.radius_scale <= 1.0:
             raise ConfigError(f"Quest radius_scale must be in [0, 1], got {self.radius_scale}")
-        if self.recent < 0:
-            raise ConfigError(f"Quest recent window must be >= 0 tokens, got {self.recent}")
 
     @classmethod
     def from_spec(cls, spec: SparsitySpec) -> "QuestPolicy":
-        return cls(budget=spec.budget, ratio=spec.ratio, page_size=spec.page_size, recent=spec.recent)
+        return cls(budget=spec.budget, ratio=spec.ratio, page_size=spec.page_size)
 
     def select(self, state, query, mask):
         """query: [B, Hq, 1, D]; mask: [B, H, 1, held] -> held indices [B, H, n] or None (read all)."""
@@ -104,9 +99,6 @@ class QuestPolicy(SparsePolicy):
         score = page_scores(group, state.page_min[:, :, :n_cand], state.page_max[:, :, :n_cand], real,
                             state.step.scaling, self.radius_scale)
         score = score.masked_fill(first_true(real), float("inf"))  # the sinks' page
-        n_recent = min(-(-max(self.recent - newest, 0) // p), n_cand)  # full pages of the recent window
-        if n_recent:
-            score[..., n_cand - n_recent:] = float("inf")
         pages = top_indices(score, k)  # [B, H, k]
         arange = torch.arange(p, device=mask.device)
         tokens = (pages[..., None] * p + arange).flatten(2)
