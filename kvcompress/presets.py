@@ -5,8 +5,9 @@ Sliding-window layers always stay exact (they are bounded already). Quantization
 - int8 / int4 / int3 / int2: KIVI (keys per channel in groups of 32 tokens, values per token in groups
   of 32 channels, the newest 128 tokens in full precision).
 - nuq4 / nuq3 / nuq2: keys coded on each page's per-channel range (pages of 32 tokens; post-RoPE keys
-  drift, so a range per page follows them), values normalised per token with a Gaussian Lloyd-Max
-  codebook (until calibrated); 1% outliers per page kept exactly; the first 4 tokens (attention sinks)
+  drift, so a range per page follows them) with 1% outliers per page kept exactly; values normalised per
+  token with a Lloyd-Max codebook (until calibrated): nuq4 a Student-t (5 dof) one and no value
+  outliers, nuq3 / nuq2 a Gaussian one with 1% outliers per page; the first 4 tokens (attention sinks)
   and the newest 32 exact.
 - nuq4-rot: randomized Hadamard rotation then a per-token Gaussian codebook (TurboQuant), no outliers.
 - k8v4: FP8 keys with nuq4 values.
@@ -52,10 +53,17 @@ def _nuq(bits: int, outliers: float = 0.01) -> LayerFn:
     # Measured on SmolLM2 (1024 tokens, prefill 512, decode 512), 4 bits: keys per page of 32 with the
     # newest 32 tokens exact -0.44% ppl; keys frozen per channel, pages of 64, no window +1.22%; keys
     # per page of 64 with a 64-token window +0.65%. Finer key pages matter most.
+    # Values, 4 bits (BENCHMARKS.md): a Gaussian codebook needs 1% outliers (+0.47% at 2048; +19% without);
+    # a Student-t (5 dof) one needs none (-0.33% at 2048, -0.72% at 1024) and spares the fused kernel its
+    # costliest part. At 3 bits the Student-t levels without outliers lose (+8.4% at 1024): Gaussian there.
+    if bits == 4:
+        value = QuantSpec(method="nuq", bits=bits, axis="token", codebook="student_t5")
+    else:
+        value = QuantSpec(method="nuq", bits=bits, axis="token", outlier_fraction=outliers)
     return _uniform(
         LayerPolicy(
             key=QuantSpec(method="nuq", bits=bits, axis="page", outlier_fraction=outliers),
-            value=QuantSpec(method="nuq", bits=bits, axis="token", outlier_fraction=outliers),
+            value=value,
             page_size=32,
             residual=32,
             sinks=4,
