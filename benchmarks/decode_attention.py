@@ -307,7 +307,7 @@ def fmt_row(r, bw):
     cfg = r.get("cfg")
     cfg = "" if not cfg else f"bn{cfg['block_n']} w{cfg['num_warps']} s{cfg['num_stages']}" + (
         f" sp{cfg['splits']}" if "splits" in cfg else "") + (f" {cfg['lut']}" if "lut" in cfg else "") + (
-        f" {cfg['value_groups']}" if "value_groups" in cfg else "")
+        "")
     return (f"| {r['ctx']:>6} | {r['batch']:>3} | {r['method']:<26} | {r['ms']:9.3f} | {r['bytes'] / 1e6:10.1f} | "
             f"{share * 100:5.0f}% | {r['base'] / r['ms']:6.2f}x | {cfg} |")
 
@@ -325,7 +325,7 @@ def main():
     ap.add_argument("--check-codecs", nargs="+", default=None, help="codecs to check (default: all)")
     ap.add_argument("--configs", nargs="+", default=["64,4,2", "64,8,2", "128,4,2", "128,8,2", "64,4,3", "128,8,3"],
                     help="fused-kernel configs to sweep (the best is reported): block_n,num_warps,num_stages"
-                         "[,splits per (batch, kv head)[,lut gather|select[,value_groups gather|dots]]]")
+                         "[,splits per (batch, kv head)[,lut gather|select]]")
     ap.add_argument("--methods", nargs="+", default=["int4", "nuq4", "fp8", "nuq4+quest2048"],
                     help="presets to time (NAME+quest2048: with a Quest page list; NAME-noout: without outliers)")
     ap.add_argument("--out", default=None, help="write the markdown table here too")
@@ -336,8 +336,8 @@ def main():
         print(line, flush=True)
     configs = []
     for c in args.configs:
-        cfg = dict(zip(("block_n", "num_warps", "num_stages", "splits", "lut", "value_groups"), c.split(",")))
-        configs.append({k: (v if k in ("lut", "value_groups") else int(v)) for k, v in cfg.items()})
+        cfg = dict(zip(("block_n", "num_warps", "num_stages", "splits", "lut"), c.split(",")))
+        configs.append({k: (v if k == "lut" else int(v)) for k, v in cfg.items()})
     rows, appends, bw = run(args.contexts, args.batches, args.iters, configs, args.methods)
     import triton
 

@@ -70,6 +70,17 @@ def test_fused_kernel_llama8b_layer(name, dtype):
     compare(parts, q, pl, TOL[dtype])
 
 
+@pytest.mark.parametrize("name", ["nuq4-kout", "int4", "fp8"])
+def test_fused_kernel_left_padding(name):
+    """Left-padded rows (row_starts inside the sinks, the body and the tail) at Llama-3.1-8B layer size."""
+    parts = make_parts(name, b=3, hkv=8, d=128, pages=64, page=32, sinks=4, tail=31, seed=41, dtype=LOW)
+    parts = to_cuda(parts)
+    parts.row_starts = torch.tensor([2, 1500, 4 + 2048 + 7], dtype=torch.int32, device=DEV)
+    q = torch.randn(3, 32, 128, generator=torch.Generator().manual_seed(42)).to(LOW).to(DEV)
+    compare(parts, q, None, TOL[LOW])
+    compare(parts, q, random_page_list(3, 8, 64, 20, seed=43).to(DEV), TOL[LOW])
+
+
 @pytest.mark.parametrize("gqa", [1, 3])
 @pytest.mark.parametrize("name", ["nuq4-page", "int4", "fp8"])
 def test_fused_kernel_d64(name, gqa):

@@ -46,6 +46,9 @@ SPECS = {
     "nuq4-page": (QuantSpec(method="nuq", bits=4, axis="page", outlier_fraction=0.01),
                   QuantSpec(method="nuq", bits=4, axis="token", outlier_fraction=0.01)),
     "nuq3-page": (QuantSpec(method="nuq", bits=3, axis="page"), QuantSpec(method="nuq", bits=3, axis="token")),
+    # the nuq4 preset: key outliers only, values on a Student-t codebook
+    "nuq4-kout": (QuantSpec(method="nuq", bits=4, axis="page", outlier_fraction=0.01),
+                  QuantSpec(method="nuq", bits=4, axis="token", codebook="student_t5")),
     "nuq4-rot": (QuantSpec(method="nuq", bits=4, rotation=True), QuantSpec(method="nuq", bits=4, rotation=True)),
     "fp8": (QuantSpec(method="fp8"), QuantSpec(method="fp8")),
     "fp8-e5m2": (QuantSpec(method="fp8", fp8_format="e5m2"), QuantSpec(method="fp8", fp8_format="e5m2")),
@@ -190,11 +193,16 @@ def test_triton_codebook_by_selects(name):
 
 
 @needs_triton
-@pytest.mark.parametrize("name", ["int4", "int2"])
-def test_triton_value_groups_by_dots(name):
-    """KIVI values (scales per token and group of 32 channels) by one dot per group."""
-    parts = make_parts(name, b=2, hkv=2, d=128, pages=3, lengths=[48, 29], seed=35)
-    check_triton(parts, torch.randn(2, 6, 128, generator=torch.Generator().manual_seed(36)), value_groups="dots")
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("name", ["int4", "int2", "int8", "nuq4-kout", "nuq2"])
+def test_triton_half_operands(name, d):
+    """fp16 model: integer codes enter the dots as (c | magic) read as fp16 (1024 + c), the offset taken
+    back out exactly; words of 8 / 16 / 32 bits by head dim and bit width. fp16 output: rel err 1e-2
+    (the twin rounds the decoded body to fp16, the kernel keeps it in fp32 registers)."""
+    parts = make_parts(name, b=2, hkv=2, d=d, pages=3, page=32, lengths=[96, 45], seed=35, dtype=torch.float16)
+    q = torch.randn(2, 6, d, generator=torch.Generator().manual_seed(36)).half()
+    check_triton(parts, q, block_n=64, tol=1e-2)
+    check_triton(parts, q, page_list=random_page_list(2, 2, 3, 2, seed=37), block_n=32, tol=1e-2)
 
 
 @needs_triton

@@ -455,7 +455,6 @@ def decode_attention_triton(
     num_stages: int = 3,
     splits: int | None = None,
     lut: str = "select",
-    value_groups: str = "gather",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Fused decode attention; same signature and result as `decode_attention_torch`.
 
@@ -463,9 +462,7 @@ def decode_attention_triton(
     (out [B, Hq, Dv] in q.dtype, probs [B, Hkv, S+N+T] fp32 or None). Tuning: block_n body tokens per
     step (None: 64 with outliers, else 128), num_warps / num_stages of the split kernel, splits per
     (batch, kv head) (None: 16 per multiprocessor over all (batch, kv head) pairs),
-    lut: how the fast kernel reads nuq codebooks ("gather": a load per element, "select": a select tree);
-    value_groups: per-token scales of channel groups (KIVI values) as "gather" (a load per element) or
-    "dots" (one dot per group, the scales folded into the probabilities).
+    lut: how the fast kernel reads nuq codebooks ("gather": a load per element, "select": a select tree).
     """
     b, hq, dk = q.shape
     hkv = parts.kv_heads
@@ -497,20 +494,29 @@ def decode_attention_triton(
             sink_v, tail_v = _rotate(sink_v, value_args.rotation_signs), _rotate(tail_v, value_args.rotation_signs)
     sink_k, sink_v, tail_k, tail_v = map(_rows_contiguous, (sink_k, sink_v, tail_k, tail_v))
 
-    # the fast kernel when both streams fold (decode_paged_triton), else the general one
-    from kvcompress.kernels.decode_paged_triton import _paged_split_kernel, paged_block, paged_supported, phases
+    # the fast kernels when both streams fold (decode_fp8_triton for fp8, decode_paged_triton for 2-8-bit
+    # codes), else the general one
+    from kvcompress.kernels import decode_paged_triton as fast
 
-    kernel, extra = _decode_split_kernel, {}
-    paged = key_args is not None and paged_supported(key_args, dk, page_size, True) and paged_supported(
+    kernel, extra, ppi = _decode_split_kernel, {}, 1
+    paged = key_args is not None and fast.paged_supported(key_args, dk, page_size, True) and fast.paged_supported(
         value_args, dv, page_size, False)
-    if block_n is None:  # measured on an H200 (BENCHMARKS.md): 64 with outliers (128 spills), else 128
+    if block_n is None:  # measured on an H200 (BENCHMARKS.md): 64 with outliers, else 128
         block_n = 128 if paged and not (key_args.n_outliers or value_args.n_outliers) else 64
-    if paged:
-        block_n, ppi = paged_block(key_args, value_args, page_size, block_n)
-        phk, phv = phases(key_args), phases(value_args)
-        kernel, extra = _paged_split_kernel, dict(PHK=phk, PHV=phv, WK=dk // phk, WV=dv // phv, PPI=ppi,
-                                                  QR=max(16, _next_pow2(ppi * group)), LUT_SELECT=lut == "select",
-                                                  GROUP_DOTS=value_groups == "dots")
+    if paged and fast.is_fp8(key_args) and fast.is_fp8(value_args):
+        from kvcompress.kernels.decode_fp8_triton import _fp8_split_kernel
+
+        kernel = _fp8_split_kernel
+    elif paged:
+        block_n, ppi = fast.paged_block(key_args, value_args, page_size, block_n)
+        dot = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
+        k_magic, k_shift = fast.magic(key_args, dk, dot, True)
+        v_magic, v_shift = fast.magic(value_args, dv, dot, False)
+        kernel, extra = fast._paged_split_kernel, dict(
+            PHK=fast.phases(key_args, dk), PHV=fast.phases(value_args, dv), WK=fast.words(key_args, dk),
+            WV=fast.words(value_args, dv), K_WB=fast.word_bits(key_args, dk), V_WB=fast.word_bits(value_args, dv),
+            K_MAGIC=k_magic, K_SHIFT=k_shift, V_MAGIC=v_magic, V_SHIFT=v_shift, PPI=ppi,
+            QR=max(16, _next_pow2(ppi * group)), LUT_SELECT=lut == "select")
 
     # body geometry and splits
     has_outliers = key_args is not None and (key_args.n_outliers or value_args.n_outliers)
@@ -531,7 +537,7 @@ def decode_attention_triton(
     splits = max(1, min(splits, n_blocks))
     tokens_per_split = -(-n_blocks // splits) * block_n
     body_splits = -(-n_logical // tokens_per_split) if n_logical else 0
-    n_splits = body_splits + 1
+    n_splits = body_splits * ppi + 1  # partial rows per query head (the fast kernel: one per page slot)
 
     lens = parts.body_lengths
     lens = lens.to(dev, torch.int32) if lens is not None else q
@@ -546,7 +552,7 @@ def decode_attention_triton(
     else:
         scores = m_part
     dummy_stream = [q, 0, 0, 0, q, q, 0, 0, 0, 0, q, 0, q, q, 0, 0, 0]
-    grid = (b * hkv, n_splits)
+    grid = (b * hkv, body_splits + 1)
     kernel[grid](
         q, q.stride(0), q.stride(1),
         *(_stream_launch_args(key_args) if key_args else dummy_stream),

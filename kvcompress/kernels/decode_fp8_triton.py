@@ -1,0 +1,119 @@
+"""The fused decode attention's body path for fp8 caches (both streams fp8, scales per token or per head).
+
+Same launch arguments and result as `_paged_split_kernel` (decode_paged_triton.py) with one body row per
+query head (PPI = 1), whose torch twin is `decode_attention_torch`. fp8 bytes are cheap to decode, so
+the dots keep the query rows as M (one dot [GP, D] x [D, BN] for the scores, one [GP, BN] x [BN, D] for
+the output) and the per-token scales fold into the scores and the probabilities. Measured on an H200
+(BENCHMARKS.md): this orientation reads an fp8 cache at 1.3-1.4x bf16 SDPA, where the transposed one
+of the 2-8-bit kernel reaches 0.9x.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kvcompress.kernels.decode_attention_triton import NEG_BIG, _cast, _dense_range, _dot, _value_of
+
+
+@triton.jit
+def _fp8_split_kernel(
+    Q, q_sb, q_sh,
+    KC, kc_sb, kc_sh, kc_sn, KS, KZ, ks_sb, ks_sh, ks_sn, ks_sc, KCB, kcb_sh, KOI, KOV, ko_sb, ko_sh, ko_sp,
+    VC, vc_sb, vc_sh, vc_sn, VS, VZ, vs_sb, vs_sh, vs_sn, vs_sc, VCB, vcb_sh, VOI, VOV, vo_sb, vo_sh, vo_sp,
+    SK, sk_sb, sk_sh, sk_sn, SV, sv_sb, sv_sh, sv_sn, n_sink,
+    TK, tk_sb, tk_sh, tk_sn, TV, tv_sb, tv_sh, tv_sn, n_tail,
+    LENS, STARTS, n_body, PL, pl_sb, pl_sh, n_sel, tokens_per_split, n_body_splits,
+    M_OUT, L_OUT, ACC_OUT, SCORES, sc_sb, sc_sh,
+    qk_scale,
+    HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+    P: tl.constexpr, BN: tl.constexpr, OPB: tl.constexpr, DBN: tl.constexpr,
+    K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_SCALE_AT: tl.constexpr, K_GROUP: tl.constexpr,
+    K_HAS_ZERO: tl.constexpr, K_NOUT: tl.constexpr, K_KCP: tl.constexpr,
+    V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_SCALE_AT: tl.constexpr, V_GROUP: tl.constexpr,
+    V_HAS_ZERO: tl.constexpr, V_NOUT: tl.constexpr, V_KCP: tl.constexpr,
+    HAS_BODY: tl.constexpr, HAS_LENS: tl.constexpr, HAS_STARTS: tl.constexpr, HAS_PL: tl.constexpr,
+    WRITE_SCORES: tl.constexpr, DOT_FP32: tl.constexpr, DT: tl.constexpr,
+):
+    """Grid (B * Hkv, body splits + 1); partial row of split s at s, the exact parts at n_body_splits.
+    Scales: SCALE_AT 1 (per token, folded into the scores / probabilities) or 4 (per head)."""
+    pid_bh = tl.program_id(0)
+    split = tl.program_id(1)
+    n_splits = n_body_splits + 1
+    b = pid_bh // HKV
+    h = pid_bh % HKV
+    b64 = b.to(tl.int64)
+    if HAS_STARTS:  # left padding: held positions before row_first are not attended
+        row_first = tl.load(STARTS + b).to(tl.int32)
+    else:
+        row_first = 0
+    g = tl.arange(0, GP)
+    g_ok = g < G
+    q_rows = Q + b64 * q_sb + (h * G + g)[:, None] * q_sh
+    sc_row = SCORES + b64 * sc_sb + (h * G + g)[:, None] * sc_sh
+    out_row = (b * HKV * G + h * G + g) * n_splits + split
+    dk = tl.arange(0, DK)
+    dv = tl.arange(0, DV)
+    q = tl.load(q_rows + dk[None, :], mask=g_ok[:, None], other=0.0).to(tl.float32)
+    q_dot = _cast(q, DOT_FP32, DT)
+    m_i = tl.full([GP], NEG_BIG, tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, DV], tl.float32)
+    if split == n_body_splits:  # the exact parts: sinks, then tail
+        m_i, l_i, acc = _dense_range(
+            m_i, l_i, acc, q_dot, SK + b64 * sk_sb + h * sk_sh, SV + b64 * sv_sb + h * sv_sh, sk_sn, sv_sn,
+            n_sink, 0, row_first, sc_row, g_ok, qk_scale, WRITE_SCORES, DBN, DK, DV, DOT_FP32, DT)
+        m_i, l_i, acc = _dense_range(
+            m_i, l_i, acc, q_dot, TK + b64 * tk_sb + h * tk_sh, TV + b64 * tv_sb + h * tv_sh, tk_sn, tv_sn,
+            n_tail, n_sink + n_body, row_first - n_sink - n_body, sc_row, g_ok, qk_scale, WRITE_SCORES, DBN, DK,
+            DV, DOT_FP32, DT)
+    else:
+        kc = KC + b64 * kc_sb + h * kc_sh
+        ks = KS + b64 * ks_sb + h * ks_sh
+        vc = VC + b64 * vc_sb + h * vc_sh
+        vs = VS + b64 * vs_sb + h * vs_sh
+        pl = PL + b64 * pl_sb + h * pl_sh
+        if HAS_LENS:
+            len_b = tl.load(LENS + b).to(tl.int32)
+        else:
+            len_b = n_body
+        if HAS_PL:
+            n_logical = n_sel * P
+        else:
+            n_logical = len_b
+        rows = tl.arange(0, BN)
+        start = split * tokens_per_split
+        end = tl.minimum(start + tokens_per_split, n_logical)
+        for l0 in range(start, end, BN):
+            l = l0 + rows
+            if HAS_PL:
+                page = tl.load(pl + l // P, mask=l < n_logical, other=-1)
+                tok = page * P + l % P
+                ok = (l < n_logical) & (page >= 0) & (tok < len_b) & (tok + n_sink >= row_first)
+            else:
+                tok = l
+                ok = (l < n_logical) & (tok + n_sink >= row_first)
+            kb = tl.load(kc + tok[:, None] * kc_sn + dk[None, :], mask=ok[:, None], other=0)
+            s = _dot(q_dot, tl.trans(_cast(_value_of(kb, KS, K_KIND), DOT_FP32, DT)), DOT_FP32)  # [GP, BN]
+            if K_SCALE_AT == 1:
+                s = s * tl.load(ks + tok * ks_sn, mask=ok, other=0.0).to(tl.float32)[None, :]
+            else:
+                s = s * tl.load(ks).to(tl.float32)
+            s = tl.where(ok[None, :], s * qk_scale, float("-inf"))
+            if WRITE_SCORES:
+                tl.store(sc_row + n_sink + tok[None, :], s, mask=g_ok[:, None] & ok[None, :])
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if V_SCALE_AT == 1:
+                pv = p * tl.load(vs + tok * vs_sn, mask=ok, other=0.0).to(tl.float32)[None, :]
+            else:
+                pv = p * tl.load(vs).to(tl.float32)
+            vb = tl.load(vc + tok[:, None] * vc_sn + dv[None, :], mask=ok[:, None], other=0)
+            acc = acc * alpha[:, None] + _dot(_cast(pv, DOT_FP32, DT), _cast(_value_of(vb, VS, V_KIND), DOT_FP32, DT),
+                                              DOT_FP32)
+            m_i = m_new
+    tl.store(ACC_OUT + out_row[:, None] * DV + dv[None, :], acc, mask=g_ok[:, None])
+    tl.store(M_OUT + out_row, m_i, mask=g_ok)
+    tl.store(L_OUT + out_row, l_i, mask=g_ok)
