@@ -114,6 +114,11 @@ class SparsitySpec:
         if self.method != "none" and self.budget == 0 and self.ratio == 0.0:
             raise ConfigError(f"sparsity method {self.method!r} needs a token budget or a ratio of the context")
 
+    @property
+    def needs_attention(self) -> bool:
+        """Whether the policy needs the query or the attention weights (the kvcompress attention)."""
+        return self.method in ("h2o", "snapkv", "quest")
+
 
 @dataclass
 class LayerPolicy:
@@ -175,6 +180,11 @@ class KVCompressConfig:
 
         layout = model_config if isinstance(model_config, ModelLayout) else ModelLayout.from_model_config(model_config)
         return build_preset(name, layout)
+
+    @property
+    def needs_attention(self) -> bool:
+        """Whether some layer's sparsity policy needs `kvcompress.enable(model)`."""
+        return any(p.sparsity.needs_attention for p in self.layers)
 
     def check_model(self, layout: ModelLayout) -> None:
         """Raise a ConfigError naming each fingerprint difference if this config is for another model."""

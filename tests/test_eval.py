@@ -96,3 +96,16 @@ def test_passkey_found_through_uncompressed_cache(smollm2):
     trial = res.trials[0]
     assert res.accuracy == 1.0, trial
     assert 10000 <= trial.key <= 99999 and len(res.trials) == 1
+
+
+def test_eval_runs_sparse_presets_under_the_kvcompress_attention(smollm2):
+    """A preset whose policy needs the query (Quest) or the attention weights (H2O) is evaluated inside
+    `kvcompress.enabled(model)`; the model is restored after."""
+    from kvcompress.evaluation.runner import evaluate
+
+    model, tok = smollm2
+    before = model.config._attn_implementation
+    rows = evaluate(model, tok, presets=["quest-512", "h2o-20"], context=96, passkey=False, progress=False)
+    assert [r["name"] for r in rows] == ["uncompressed", "quest-512", "h2o-20"]
+    assert all(r["ppl"] == r["ppl"] and r["ppl"] < 1e4 for r in rows)
+    assert model.config._attn_implementation == before

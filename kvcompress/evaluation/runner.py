@@ -24,6 +24,7 @@ from kvcompress.evaluation.baselines import (
 )
 from kvcompress.evaluation.passkey import passkey_accuracy
 from kvcompress.evaluation.perplexity import context_windows, perplexity
+from kvcompress.integration import enabled as kvcompress_enabled
 
 UNCOMPRESSED = "uncompressed"
 ROW_KEYS = (
@@ -40,6 +41,7 @@ class CacheEntry:
     name: str
     kind: str
     factory: Callable[[], object]
+    needs_attention: bool = False  # run it under `kvcompress.enabled(model)` (H2O, SnapKV, Quest)
 
 
 def cache_entries(model, presets=(), configs=(), baselines="", include_uncompressed=True, log=print):
@@ -57,13 +59,14 @@ def cache_entries(model, presets=(), configs=(), baselines="", include_uncompres
     if include_uncompressed:
         entries.append(CacheEntry(UNCOMPRESSED, "uncompressed", lambda: DynamicCache(config=cfg)))
     for name in presets:
-        CompressedCache(cfg, name)  # fail early on an unknown preset
-        entries.append(CacheEntry(name, "preset", lambda name=name: CompressedCache(cfg, name)))
+        cache = CompressedCache(cfg, name)  # fail early on an unknown preset
+        entries.append(CacheEntry(name, "preset", lambda name=name: CompressedCache(cfg, name),
+                                  cache.kv_config.needs_attention))
     for path in configs:
         kv = KVCompressConfig.load(path)
         CompressedCache(cfg, kv)  # fail early on a config made for another model
         label = f"{kv.name} ({os.path.basename(path)})"
-        entries.append(CacheEntry(label, "config", lambda kv=kv: CompressedCache(cfg, kv)))
+        entries.append(CacheEntry(label, "config", lambda kv=kv: CompressedCache(cfg, kv), kv.needs_attention))
     specs = parse_baselines(baselines) if isinstance(baselines, str) else list(baselines)
     for spec in specs:
         try:
@@ -115,16 +118,19 @@ def evaluate(
         task = bar.add_task("evaluating", total=n_steps + n_trials) if bar else None
         advance = (lambda: bar.advance(task)) if bar else None
         for entry in entries:
-            if bar:
-                bar.update(task, description=f"{entry.name}: perplexity")
-            row = perplexity_row(model, tokenizer, entry, ids, on_step=advance)
-            if passkey:
+            scope = kvcompress_enabled(model) if entry.needs_attention else nullcontext()
+            with scope:
                 if bar:
-                    bar.update(task, description=f"{entry.name}: passkey")
-                pk = passkey_accuracy(
-                    model, tokenizer, entry.factory, passkey_lengths, passkey_depths, passkey_seeds,
-                    template=passkey_template, on_trial=advance,
-                )
+                    bar.update(task, description=f"{entry.name}: perplexity")
+                row = perplexity_row(model, tokenizer, entry, ids, on_step=advance)
+                if passkey:
+                    if bar:
+                        bar.update(task, description=f"{entry.name}: passkey")
+                    pk = passkey_accuracy(
+                        model, tokenizer, entry.factory, passkey_lengths, passkey_depths, passkey_seeds,
+                        template=passkey_template, on_trial=advance,
+                    )
+            if passkey:
                 row["passkey"] = pk.accuracy
                 row["passkey_trials"] = [
                     {"length": t.length, "depth": t.depth, "seed": t.seed, "key": t.key, "output": t.output,
