@@ -4,11 +4,11 @@ Sliding-window layers always stay exact (they are bounded already). Quantization
 - fp8 / fp8-e5m2: 1 byte per element, dynamic per-token scales; 4 sinks and the newest 32 tokens exact.
 - int8 / int4 / int3 / int2: KIVI (keys per channel in groups of 32 tokens, values per token in groups
   of 32 channels, the newest 128 tokens in full precision).
-- nuq4 / nuq3 / nuq2: keys coded on each page's per-channel range (pages of 32 tokens; post-RoPE keys
-  drift, so a range per page follows them) with 1% outliers per page kept exactly; values normalised per
-  token with a Lloyd-Max codebook (until calibrated): nuq4 a Student-t (5 dof) one and no value
-  outliers, nuq3 / nuq2 a Gaussian one with 1% outliers per page; the first 4 tokens (attention sinks)
-  and the newest 32 exact.
+- nuq4 / nuq3 / nuq2: keys coded on each page's per-channel range (pages of 32 tokens, 16 for nuq2;
+  post-RoPE keys drift, so a range per page follows them) with 1% outliers per page kept exactly; values
+  normalised per token with a Lloyd-Max codebook (until calibrated): nuq4 a Student-t (5 dof) one and no
+  value outliers, 4 exact sinks and the newest 16 tokens exact; nuq3 / nuq2 a Laplace one with 1%
+  outliers per page, 8 sinks and the newest 32 exact.
 - nuq4-rot: randomized Hadamard rotation then a per-token Gaussian codebook (TurboQuant), no outliers.
 - k8v4: FP8 keys with nuq4 values.
 On an MLA layout (key slot = latent kv_nope, value slot = shared RoPE key k_rot) nuq4/nuq3/nuq2 quantize
@@ -53,22 +53,17 @@ def _nuq(bits: int, outliers: float = 0.01) -> LayerFn:
     # Measured on SmolLM2 (1024 tokens, prefill 512, decode 512), 4 bits: keys per page of 32 with the
     # newest 32 tokens exact -0.44% ppl; keys frozen per channel, pages of 64, no window +1.22%; keys
     # per page of 64 with a 64-token window +0.65%. Finer key pages matter most.
-    # Values, 4 bits (BENCHMARKS.md): a Gaussian codebook needs 1% outliers (+0.47% at 2048; +19% without);
-    # a Student-t (5 dof) one needs none (-0.33% at 2048, -0.72% at 1024) and spares the fused kernel its
-    # costliest part. At 3 bits the Student-t levels without outliers lose (+8.4% at 1024): Gaussian there.
+    # Values (BENCHMARKS.md, 2048 tokens unless said): at 4 bits a Gaussian codebook needs 1% outliers
+    # (+0.47%; +19% without), a Student-t (5 dof) one needs none (-0.32% with a 16-token window, -0.61% at
+    # 1024, 0.43 bits fewer than a 32-token one) and spares the fused kernel its costliest part. At 3 and 2
+    # bits heavier tails than Gaussian's still need their 1% outliers: Laplace levels with 8 sinks give
+    # nuq3 +0.74% (Gaussian, 4 sinks: +2.67%) and, on pages of 16, nuq2 +8.7% (Gaussian: +12.2%).
+    key = QuantSpec(method="nuq", bits=bits, axis="page", outlier_fraction=outliers)
     if bits == 4:
         value = QuantSpec(method="nuq", bits=bits, axis="token", codebook="student_t5")
-    else:
-        value = QuantSpec(method="nuq", bits=bits, axis="token", outlier_fraction=outliers)
-    return _uniform(
-        LayerPolicy(
-            key=QuantSpec(method="nuq", bits=bits, axis="page", outlier_fraction=outliers),
-            value=value,
-            page_size=32,
-            residual=32,
-            sinks=4,
-        )
-    )
+        return _uniform(LayerPolicy(key=key, value=value, page_size=32, residual=16, sinks=4))
+    value = QuantSpec(method="nuq", bits=bits, axis="token", outlier_fraction=outliers, codebook="laplace")
+    return _uniform(LayerPolicy(key=key, value=value, page_size=32 if bits == 3 else 16, residual=32, sinks=8))
 
 
 def _nuq_rot(bits: int) -> LayerFn:
