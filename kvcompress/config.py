@@ -80,6 +80,11 @@ class QuantSpec:
             raise ConfigError(f"outlier_fraction must be in [0, 0.5), got {self.outlier_fraction}")
         if self.group_size < 0:
             raise ConfigError(f"group_size must be >= 0, got {self.group_size}")
+        if self.group_size and self.method == "nuq":
+            raise ConfigError(
+                f"group_size does not apply to method='nuq' (it normalises whole tokens or channels, see "
+                f"`axis`): remove group_size={self.group_size}"
+            )
         if self.codebook not in CODEBOOKS:
             raise ConfigError(f"unknown codebook {self.codebook!r}; use one of {CODEBOOKS}")
 

@@ -314,3 +314,12 @@ def test_save_replaces_atomically_and_leaves_no_temporary(saved):
     other.save(path)
     assert KVCompressConfig.load(path) == other
     assert os.listdir(os.path.dirname(path)) == ["kv.safetensors"]
+
+
+def test_an_option_the_method_ignores_is_refused():
+    """nuq has no channel groups: a group_size there would be silently ignored, so it is refused."""
+    from kvcompress.config import QuantSpec
+
+    with pytest.raises(ConfigError, match="group_size does not apply to method='nuq'"):
+        QuantSpec(method="nuq", bits=4, group_size=32)
+    assert QuantSpec(method="int", bits=4, group_size=32).group_size == 32
