@@ -185,11 +185,13 @@ def test_triton_tiles_of_several_pages(name, with_pages):
 
 
 @needs_triton
+@pytest.mark.parametrize("lut", ["select", "gather"])
 @pytest.mark.parametrize("name", ["nuq4-page", "nuq2", "nuq4"])
-def test_triton_codebook_by_selects(name):
-    """The codebook read through a tree of selects (lut="select") equals the twin."""
+def test_triton_codebook_reads(name, lut):
+    """The codebook read through a tree of selects (lut="select", the default) or a load per element
+    (lut="gather") equals the twin."""
     parts = make_parts(name, b=2, hkv=2, d=64, pages=3, lengths=[48, 29], seed=33)
-    check_triton(parts, torch.randn(2, 6, 64, generator=torch.Generator().manual_seed(34)), lut="select")
+    check_triton(parts, torch.randn(2, 6, 64, generator=torch.Generator().manual_seed(34)), lut=lut)
 
 
 @needs_triton
