@@ -50,7 +50,7 @@ MAX_PHASES = 8
 def word_bits(a: StreamArgs, head_dim: int) -> int:
     """Bits per loaded word: the widest of 32 / 16 / 8 that leaves >= 16 words per token (8 for fp8); -1: none
     does."""
-    if a.kind in (KIND_FP8E4, KIND_FP8E5):
+    if is_fp8(a):
         return 8  # bytes, one code per word (measured faster than words for fp8)
     for wb in (32, 16, 8):
         if head_dim * a.bits // wb >= 16 and wb // a.bits <= MAX_PHASES:
@@ -65,7 +65,7 @@ def paged_supported(a: StreamArgs, head_dim: int, page_size: int, is_key: bool) 
     wb = word_bits(a, head_dim)
     if wb < 0 or a.codes.stride(2) % (wb // 8) or a.codes.data_ptr() % 4:
         return False  # word loads need >= 16 words per token and aligned rows
-    if a.kind in (KIND_FP8E4, KIND_FP8E5):
+    if is_fp8(a):
         return a.scale_at in (SCALE_TOKEN, SCALE_HEAD) and a.group == head_dim
     if a.kind not in (KIND_INT, KIND_NUQ) or a.bits not in (2, 4, 8):
         return False
@@ -84,7 +84,7 @@ def is_fp8(a: StreamArgs) -> bool:
 
 def phases(a: StreamArgs, head_dim: int) -> int:
     """Codes per word."""
-    return word_bits(a, head_dim) // (8 if a.kind in (KIND_FP8E4, KIND_FP8E5) else a.bits)
+    return word_bits(a, head_dim) // (8 if is_fp8(a) else a.bits)
 
 
 def words(a: StreamArgs, head_dim: int) -> int:

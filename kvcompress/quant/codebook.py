@@ -1,5 +1,5 @@
-"""Scalar codebooks: Lloyd-Max levels for a unit-variance Gaussian or Laplace density, and weighted 1-D
-k-means on samples.
+"""Scalar codebooks: Lloyd-Max levels for a unit-variance Gaussian, Laplace or Student-t (5 dof) density,
+and weighted 1-D k-means on samples.
 
 The Gaussian codebook is the data-oblivious default (TurboQuant's observation: after a random
 rotation, or after normalising each channel / token, a coordinate is close to Gaussian); the Laplace
@@ -15,22 +15,24 @@ import math
 import torch
 
 
+def _lloyd_max(density, half_width: float, bits: int, iters: int) -> torch.Tensor:
+    """Lloyd-Max levels (sorted, float32 [2**bits]) minimising MSE for `density` (unnormalised, of a
+    float64 grid) on [-half_width, half_width]."""
+    grid = torch.linspace(-half_width, half_width, 64001, dtype=torch.float64)
+    levels = torch.linspace(-2.5, 2.5, 2**bits, dtype=torch.float64) * (1.0 if bits > 1 else 0.8)
+    return _lloyd(grid, density(grid), levels, iters).to(torch.float32)
+
+
 @functools.lru_cache(maxsize=None)
 def gaussian_lloyd_max(bits: int, iters: int = 200) -> torch.Tensor:
     """Lloyd-Max levels (sorted, float32 [2**bits]) minimising MSE for N(0, 1)."""
-    grid = torch.linspace(-8.0, 8.0, 64001, dtype=torch.float64)
-    weight = torch.exp(-0.5 * grid**2)
-    levels = torch.linspace(-2.5, 2.5, 2**bits, dtype=torch.float64) * (1.0 if bits > 1 else 0.8)
-    return _lloyd(grid, weight, levels, iters).to(torch.float32)
+    return _lloyd_max(lambda x: torch.exp(-0.5 * x**2), 8.0, bits, iters)
 
 
 @functools.lru_cache(maxsize=None)
 def laplace_lloyd_max(bits: int, iters: int = 300) -> torch.Tensor:
     """Lloyd-Max levels (sorted, float32 [2**bits]) minimising MSE for a unit-variance Laplace density."""
-    grid = torch.linspace(-16.0, 16.0, 64001, dtype=torch.float64)
-    weight = torch.exp(-math.sqrt(2.0) * grid.abs())
-    levels = torch.linspace(-2.5, 2.5, 2**bits, dtype=torch.float64) * (1.0 if bits > 1 else 0.8)
-    return _lloyd(grid, weight, levels, iters).to(torch.float32)
+    return _lloyd_max(lambda x: torch.exp(-math.sqrt(2.0) * x.abs()), 16.0, bits, iters)
 
 
 @functools.lru_cache(maxsize=None)
@@ -39,19 +41,15 @@ def student_t5_lloyd_max(bits: int, iters: int = 300) -> torch.Tensor:
     5 degrees of freedom (tails between the Gaussian's and far wider outer levels)."""
     nu = 5.0
     s = math.sqrt((nu - 2.0) / nu)  # the t5 scale of unit variance
-    grid = torch.linspace(-16.0, 16.0, 64001, dtype=torch.float64)
-    weight = (1.0 + (grid / s) ** 2 / nu) ** (-(nu + 1.0) / 2.0)
-    levels = torch.linspace(-2.5, 2.5, 2**bits, dtype=torch.float64) * (1.0 if bits > 1 else 0.8)
-    return _lloyd(grid, weight, levels, iters).to(torch.float32)
+    return _lloyd_max(lambda x: (1.0 + (x / s) ** 2 / nu) ** (-(nu + 1.0) / 2.0), 16.0, bits, iters)
+
+
+_DEFAULT_CODEBOOKS = {"gaussian": gaussian_lloyd_max, "laplace": laplace_lloyd_max, "student_t5": student_t5_lloyd_max}
 
 
 def default_codebook(name: str, bits: int) -> torch.Tensor:
-    """The data-oblivious codebook `name` ("gaussian", "laplace" or "student_t5") of 2**bits levels."""
-    if name == "laplace":
-        return laplace_lloyd_max(bits)
-    if name == "student_t5":
-        return student_t5_lloyd_max(bits)
-    return gaussian_lloyd_max(bits)
+    """The data-oblivious codebook `name` (one of config.CODEBOOKS) of 2**bits levels."""
+    return _DEFAULT_CODEBOOKS[name](bits)
 
 
 def fit_codebook(samples: torch.Tensor, bits: int, weights: torch.Tensor | None = None, iters: int = 30) -> torch.Tensor:

@@ -44,7 +44,7 @@ class NuqCodec(Codec):
     channel_mean: torch.Tensor | None = None  # [H, D] calibrated
     channel_scale: torch.Tensor | None = None  # [H, D] calibrated
     outlier_dtype: torch.dtype = torch.float16
-    default_codebook: str = "gaussian"  # "gaussian" | "laplace": levels used when none are given
+    default_codebook: str = "gaussian"  # one of config.CODEBOOKS: levels used when none are given
 
     def __post_init__(self):
         if self.codebook is None:
