@@ -226,6 +226,8 @@ def run(contexts, batches, n_iter, configs, methods) -> list[dict]:
                     print(f"  {n} x {b} {method} {cfg}: {ms:.3f} ms", flush=True)
                     if best is None or ms < best[0]:
                         best = (ms, cfg)
+                if best is None:  # every config failed (reported above)
+                    continue
                 rows.append(dict(ctx=n, batch=b, method=f"fused {method}", ms=best[0], bytes=nbytes, base=base,
                                  cfg=best[1]))
                 graph_ms = graph_time(lambda: step(0, best[1]), n_iter)
@@ -306,8 +308,7 @@ def fmt_row(r, bw):
     share = r["bytes"] / (r["ms"] * 1e-3) / bw
     cfg = r.get("cfg")
     cfg = "" if not cfg else f"bn{cfg['block_n']} w{cfg['num_warps']} s{cfg['num_stages']}" + (
-        f" sp{cfg['splits']}" if "splits" in cfg else "") + (f" {cfg['lut']}" if "lut" in cfg else "") + (
-        "")
+        f" sp{cfg['splits']}" if "splits" in cfg else "") + (f" {cfg['lut']}" if "lut" in cfg else "")
     return (f"| {r['ctx']:>6} | {r['batch']:>3} | {r['method']:<26} | {r['ms']:9.3f} | {r['bytes'] / 1e6:10.1f} | "
             f"{share * 100:5.0f}% | {r['base'] / r['ms']:6.2f}x | {cfg} |")
 
@@ -325,7 +326,7 @@ def main():
     ap.add_argument("--check-codecs", nargs="+", default=None, help="codecs to check (default: all)")
     ap.add_argument("--configs", nargs="+", default=["64,4,2", "64,8,2", "128,4,2", "128,8,2", "64,4,3", "128,8,3"],
                     help="fused-kernel configs to sweep (the best is reported): block_n,num_warps,num_stages"
-                         "[,splits per (batch, kv head)[,lut gather|select]]")
+                         "[,splits per (batch, kv head)[,lut gather|select]]; 0 splits: the default")
     ap.add_argument("--methods", nargs="+", default=["int4", "nuq4", "fp8", "nuq4+quest2048"],
                     help="presets to time (NAME+quest2048: with a Quest page list; NAME-noout: without outliers)")
     ap.add_argument("--out", default=None, help="write the markdown table here too")
@@ -337,7 +338,10 @@ def main():
     configs = []
     for c in args.configs:
         cfg = dict(zip(("block_n", "num_warps", "num_stages", "splits", "lut"), c.split(",")))
-        configs.append({k: (v if k == "lut" else int(v)) for k, v in cfg.items()})
+        cfg = {k: (v if k == "lut" else int(v)) for k, v in cfg.items()}
+        if cfg.get("splits") == 0:
+            del cfg["splits"]
+        configs.append(cfg)
     rows, appends, bw = run(args.contexts, args.batches, args.iters, configs, args.methods)
     import triton
 

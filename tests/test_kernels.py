@@ -36,6 +36,9 @@ SPECS = {
     "int4": (QuantSpec(method="int", bits=4, axis="channel"), QuantSpec(method="int", bits=4, group_size=32)),
     "int2": (QuantSpec(method="int", bits=2, axis="channel"), QuantSpec(method="int", bits=2, group_size=32)),
     "int8": (QuantSpec(method="int", bits=8, axis="channel"), QuantSpec(method="int", bits=8)),
+    # values scaled per whole token: both streams enter the fast kernel's dots through a magic pattern
+    "int4-vtok": (QuantSpec(method="int", bits=4, axis="channel"), QuantSpec(method="int", bits=4)),
+    "int2-vtok": (QuantSpec(method="int", bits=2, axis="channel"), QuantSpec(method="int", bits=2)),
     "int3": (QuantSpec(method="int", bits=3, axis="channel"), QuantSpec(method="int", bits=3, group_size=16)),
     "nuq4": (QuantSpec(method="nuq", bits=4, axis="channel", outlier_fraction=0.02),
              QuantSpec(method="nuq", bits=4, axis="token", outlier_fraction=0.02)),
@@ -196,11 +199,12 @@ def test_triton_codebook_reads(name, lut):
 
 @needs_triton
 @pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("name", ["int4", "int2", "int8", "nuq4-kout", "nuq2"])
+@pytest.mark.parametrize("name", ["int4", "int2", "int8", "nuq4-kout", "nuq2", "int4-vtok", "int2-vtok"])
 def test_triton_half_operands(name, d):
     """fp16 model: integer codes enter the dots as (c | magic) read as fp16 (1024 + c), the offset taken
-    back out exactly; words of 8 / 16 / 32 bits by head dim and bit width. fp16 output: rel err 1e-2
-    (the twin rounds the decoded body to fp16, the kernel keeps it in fp32 registers)."""
+    back out exactly; words of 8 / 16 / 32 bits by head dim and bit width; "-vtok": both streams through the
+    magic pattern. fp16 output: rel err 1e-2 (the twin rounds the decoded body to fp16, the kernel keeps it
+    in fp32 registers)."""
     parts = make_parts(name, b=2, hkv=2, d=d, pages=3, page=32, lengths=[96, 45], seed=35, dtype=torch.float16)
     q = torch.randn(2, 6, d, generator=torch.Generator().manual_seed(36)).half()
     check_triton(parts, q, block_n=64, tol=1e-2)
