@@ -10,7 +10,7 @@ speed does not depend on the weights). Both caches run in the same process on th
 
 Per cache: the prompt is prefilled in chunks of --chunk tokens (logits of the last token only, so no
 [B, chunk, vocab] tensor), then --steps greedy decode steps are timed with CUDA events after --warmup
-steps. Tokens/s = batch * steps / time.
+steps (which must cover a page being filled and encoded, so that no kernel compiles inside the timing). Tokens/s = batch * steps / time.
 
 Longest context at this batch: the peak memory (torch.cuda.max_memory_allocated over prefill + decode)
 is measured at two prompt lengths, L/2 and L; it is linear in the length, peak(n) = a + b*n, and the
@@ -132,9 +132,24 @@ def run_one(kind, model, args, length, device, timed: bool) -> dict:
         seconds = timed_decode(model, token, cache, args.steps, device)
         row["tok_s"] = args.batch * args.steps / seconds
         row["ms_step"] = 1e3 * seconds / args.steps
+        if args.profile:
+            profile_steps(model, token, cache, args.profile, kind)
     row["peak"] = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
     del cache, ids, token
     return row
+
+
+def profile_steps(model, token, cache, steps: int, kind: str) -> None:
+    """Print where `steps` decode steps spend their time (torch.profiler: top ops by device and host time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        decode(model, token, cache, steps)
+        sync(token.device)
+    for key in (["cuda_time_total"] if torch.cuda.is_available() else []) + ["self_cpu_time_total"]:
+        print(f"--- {kind}: {steps} decode steps, top ops by {key}")
+        print(prof.key_averages().table(sort_by=key, row_limit=18, max_name_column_width=60))
 
 
 def longest_context(short: dict, long: dict, capacity: int) -> tuple[int, float]:
@@ -151,8 +166,11 @@ def main(argv=None) -> None:
     ap.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 32768, tiny 96)")
     ap.add_argument("--chunk", type=int, default=None, help="prefill chunk (default 2048, tiny 32)")
     ap.add_argument("--steps", type=int, default=None, help="timed decode steps (default 64, tiny 4)")
-    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=40,
+                    help="untimed decode steps first: enough to fill and encode one page (32 tokens in the nuq4 "
+                         "preset) so that every kernel is compiled before the timing")
     ap.add_argument("--preset", default="nuq4")
+    ap.add_argument("--profile", type=int, default=0, help="also profile this many decode steps per cache")
     ap.add_argument("--out", required=True, help="file the result table is written to")
     args = ap.parse_args(argv)
     args.batch = args.batch or (2 if args.tiny else 8)

@@ -130,6 +130,40 @@ def test_mla_kernel_deepseek_size():
     assert rel_err(got, want) < 5e-3  # fp32 inputs: the kernel's dots run on tensor cores in tf32 (10-bit mantissa)
 
 
+@pytest.mark.parametrize("preset", ["nuq4", "int4"])
+def test_prefill_attention_llama8b_layer(preset):
+    """A 512-token prefill chunk of a Llama-8B layer (8 kv heads, GQA 4, d 128, bf16) over 4096 held tokens
+    of a batch of 2, one row left-padded, in blocks of 8 pages: equals causal attention over the dense K/V
+    in float32 within bf16 output rounding (rel err <= 1e-2)."""
+    from test_prefill_attention import reference, small_pages
+
+    from kvcompress.cache import CompressedCache
+    from kvcompress.kernels.prefill_attention import prefill_attention
+    from conftest import make_tiny_model
+
+    config = make_tiny_model("llama", num_attention_heads=32, num_key_value_heads=8, hidden_size=4096,
+                             head_dim=128, num_hidden_layers=1, intermediate_size=64).config
+    layer = CompressedCache(config, preset).layers[0]
+    g = torch.Generator().manual_seed(41)
+    for n in (3584, 512):
+        k = (torch.randn(2, 8, n, 128, generator=g) * 2).bfloat16().to(DEV)
+        layer.update(k, torch.randn(2, 8, n, 128, generator=g).bfloat16().to(DEV))
+    query = torch.randn(2, 32, 512, 128, generator=g).bfloat16().to(DEV)
+    starts = torch.tensor([0, 700], dtype=torch.int32, device=DEV)
+    want = reference(query.cpu().float(), _on_cpu(layer), 128 ** -0.5, starts.cpu())
+    got = prefill_attention(query, layer, 128 ** -0.5, starts, budget=2 * 8 * 2048 * 256)
+    assert got.dtype == torch.bfloat16 and got.device.type == torch.device(DEV).type
+    assert rel_err(got.float().cpu(), want) <= 1e-2
+
+
+def _on_cpu(layer):
+    """A float32 CPU view of what the layer decodes (for the reference)."""
+    class Dense:
+        def dense(self):
+            return tuple(t.float().cpu() for t in layer.dense())
+    return Dense()
+
+
 # -- a whole SmolLM2 generation -----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def smollm2_cuda():

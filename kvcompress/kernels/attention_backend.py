@@ -4,7 +4,9 @@ A decode step (one query token) of a `CompressedLayer` whose codecs the fused ke
 decode its whole cache: `update()` asks `defers_dense(layer, new_keys)`, and when the answer is yes it
 returns the new token itself as a placeholder and the layer is marked *deferred*; the `kvcompress`
 attention then takes the mark (`take_deferred`) and runs `layer_decode_attention` over the packed
-parts (sinks | packed body | tail). Prefill and every other step keep the dense K/V and torch SDPA.
+parts (sinks | packed body | tail). A prefill chunk of a layer without a sparsity policy is deferred
+the same way and runs `prefill_attention` (kvcompress.kernels.prefill_attention: a block of pages at a
+time, so no dense copy of the cache is ever held); sparse layers prefill over the dense K/V with SDPA.
 
 A step is deferred only inside a forward of a model enabled with the fused backend
 (`kvcompress.enable(model)`), whose pre-hook calls `begin_forward` with the backend
@@ -89,8 +91,13 @@ def fused_supported(layer) -> bool:
 
 def defers_dense(layer, new_keys: torch.Tensor) -> bool:
     """Called by `CompressedLayer.update` after appending new_keys [B, H, q, D]: True when this step's
-    attention reads the packed parts, so the layer need not decode its dense K/V (it is then marked)."""
-    if new_keys.shape[2] != 1 or not getattr(_local, "fused", False) or not fused_supported(layer):
+    attention reads the packed parts, so the layer need not decode its dense K/V (it is then marked).
+    Decode steps (q = 1) run the fused kernel; prefill chunks (q > 1) of layers without a sparsity policy
+    run `prefill_attention` (a block of pages at a time); sparse layers prefill over the dense K/V, since
+    their policies score the prefill's attention."""
+    if not getattr(_local, "fused", False) or not fused_supported(layer):
+        return False
+    if new_keys.shape[2] > 1 and getattr(layer, "sparse", None) is not None:
         return False
     if getattr(_local, "row_starts", None) is not None and getattr(layer, "sparse", None) is not None:
         return False  # padded rows over held positions that no longer follow the mask (see the module doc)
@@ -117,11 +124,16 @@ def take_deferred(key: torch.Tensor):
 
 # -- the attention itself ----------------------------------------------------------------------------
 def attend_layer(query: torch.Tensor, layer, scaling: float) -> torch.Tensor:
-    """Fused decode attention of a dense (not sparse) layer: query [B, Hq, 1, D] -> [B, Hq, 1, Dv]."""
+    """Attention of a deferred dense (not sparse) layer: query [B, Hq, q, D] -> [B, Hq, q, Dv]; the fused
+    kernel for a decode step (q = 1), `prefill_attention` for a prefill chunk."""
+    row_starts = getattr(_local, "row_starts", None)
+    if query.shape[2] > 1:
+        from kvcompress.kernels.prefill_attention import prefill_attention
+
+        return prefill_attention(query, layer, scaling, row_starts)
     from kvcompress.kernels.decode_attention import layer_decode_attention
 
-    out, _ = layer_decode_attention(layer, query[:, :, 0], scaling, backend="triton",
-                                    row_starts=getattr(_local, "row_starts", None))
+    out, _ = layer_decode_attention(layer, query[:, :, 0], scaling, backend="triton", row_starts=row_starts)
     return out[:, :, None]
 
 

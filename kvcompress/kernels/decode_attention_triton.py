@@ -28,6 +28,9 @@ from kvcompress.kernels.streams import (
 )
 
 LOG2E = 1.4426950408889634  # 1/ln(2): softmax in base 2
+# Lengths change every decode step; Triton would otherwise compile a new variant of a kernel each time one
+# of them becomes 1 or a multiple of 16 (a stall of seconds in the middle of a generation).
+LENGTH_ARGS = ("n_sink", "n_tail", "n_body", "n_sel", "tokens_per_split", "n_body_splits")
 NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for running maxima, so exp2(m_old - m_new) never sees inf - inf
 
 
@@ -233,7 +236,7 @@ def _dense_range(m_i, l_i, acc, q_dot, kp, vp, k_sn, v_sn, n, pos0, first, sc_ro
 # ---------------------------------------------------------------------------------------------------
 # the split kernel
 # ---------------------------------------------------------------------------------------------------
-@triton.jit
+@triton.jit(do_not_specialize=LENGTH_ARGS)
 def _decode_split_kernel(
     Q, q_sb, q_sh,
     KC, kc_sb, kc_sh, kc_sn, KS, KZ, ks_sb, ks_sh, ks_sn, ks_sc, KCB, kcb_sh, KOI, KOV, ko_sb, ko_sh, ko_sp,
@@ -365,7 +368,7 @@ def _decode_split_kernel(
     tl.store(ACC_OUT + out_row[:, None] * DV + dv[None, :], acc, mask=g_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("n_splits",))
 def _reduce_kernel(M_IN, L_IN, ACC_IN, OUT, LSE, n_splits, DV: tl.constexpr, SB: tl.constexpr):
     """Merge the splits of one (batch, query head): out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s."""
     row = tl.program_id(0)

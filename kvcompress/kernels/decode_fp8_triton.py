@@ -13,10 +13,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvcompress.kernels.decode_attention_triton import NEG_BIG, _cast, _dense_range, _dot, _value_of
+from kvcompress.kernels.decode_attention_triton import LENGTH_ARGS, NEG_BIG, _cast, _dense_range, _dot, _value_of
 
 
-@triton.jit
+@triton.jit(do_not_specialize=LENGTH_ARGS)
 def _fp8_split_kernel(
     Q, q_sb, q_sh,
     KC, kc_sb, kc_sh, kc_sn, KS, KZ, ks_sb, ks_sh, ks_sn, ks_sc, KCB, kcb_sh, KOI, KOV, ko_sb, ko_sh, ko_sp,

@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from kvcompress.kernels.decode_attention_triton import (
+    LENGTH_ARGS,
     NEG_BIG,
     _cast,
     _dense_range,
@@ -238,7 +239,7 @@ def _shift_back(a, a_dot, AXIS: tl.constexpr, SHIFT: tl.constexpr, BITS: tl.cons
     return C * tl.sum(a, AXIS) - (SHIFT + C) * tl.sum(a_dot.to(tl.float32), AXIS)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=LENGTH_ARGS)
 def _paged_split_kernel(
     Q, q_sb, q_sh,
     KC, kc_sb, kc_sh, kc_sn, KS, KZ, ks_sb, ks_sh, ks_sn, ks_sc, KCB, kcb_sh, KOI, KOV, ko_sb, ko_sh, ko_sp,

@@ -38,7 +38,7 @@ def _outliers(KV, CB, CMEAN, CSCALE, OIDX, OVAL, b, blk, chunk, stride_kvb, stri
     return c, tl.where(o_mask, t_loc, -1), delta
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("T", "blocks_per_split"))
 def _mla_decode_kernel(
     QL, QR, Out, Lse, KV, KR, KRS, CB, CMEAN, CSCALE, OIDX, OVAL,
     stride_qlb, stride_qlh, stride_qrb, stride_qrh,

@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("n_pages",))
 def _quest_logits_kernel(Q, q_sb, q_sh, MN, MX, m_sb, m_sh, m_sp, OUT, o_sb, o_sh, n_pages, radius,
                          HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BP: tl.constexpr):
     """One (batch, kv head, block of pages): each page's box read once for the G query heads."""

@@ -55,6 +55,14 @@ class PagedStore:
             return None
         return self.codec.decode(self.data, self.row, dtype)
 
+    def decode_pages(self, first: int, end: int, dtype: torch.dtype) -> torch.Tensor:
+        """Pages [first, end) decoded, [B, H, (end - first) * P, D] in `dtype` (nothing else is decoded)."""
+        assert 0 <= first < end <= self.n_pages
+        p = self.page_size
+        part = {name: t[:, :, self._index(name, first * p, first):self._index(name, end * p, end)]
+                for name, t in self.data.items()}
+        return self.codec.decode(part, self.row, dtype)
+
     def pop_pages(self, n_pages: int, dtype: torch.dtype) -> torch.Tensor:
         """Remove the newest n_pages pages and return their tokens decoded, [B, H, n*P, D]."""
         assert 0 < n_pages <= self.n_pages
