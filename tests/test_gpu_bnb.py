@@ -21,7 +21,8 @@ from click.testing import CliRunner
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-    pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason='needs pip install "kvcompress[bnb]"'),
+    pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None,
+                       reason='needs pip install "kvcompress[bnb]"'),
 ]
 
 
@@ -84,7 +85,8 @@ def checkpoint(tmp_path_factory):
     return str(folder)
 
 
-@pytest.mark.parametrize("flag,layer_class", [("--load-in-4bit", "Linear4bit"), ("--load-in-8bit", "Linear8bitLt")])
+@pytest.mark.parametrize("flag,layer_class",
+                         [("--load-in-4bit", "Linear4bit"), ("--load-in-8bit", "Linear8bitLt")])
 def test_eval_loads_weights_in_4_and_8_bits(checkpoint, flag, layer_class, tmp_path, monkeypatch):
     import kvcompress.cli_common as common
     from kvcompress.cli import main

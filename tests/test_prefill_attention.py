@@ -88,7 +88,8 @@ def test_small_budget_reads_many_blocks_and_row_passes(monkeypatch):
     layer = filled_layer("int4", [3, 70, 41])
     calls = []
     real = layer.key_store.decode_pages
-    monkeypatch.setattr(layer.key_store, "decode_pages", lambda a, b, dt: calls.append((a, b)) or real(a, b, dt))
+    monkeypatch.setattr(layer.key_store, "decode_pages",
+                        lambda a, b, dt: calls.append((a, b)) or real(a, b, dt))
     query = torch.randn(3, 6, 41, 64)
     prefill_attention(query, layer, 0.125, budget=48)
     assert len(calls) == layer.key_store.n_pages  # one page per block at this budget
@@ -111,8 +112,8 @@ def test_enabled_prefill_is_deferred_and_equals_the_drop_in_path(preset, monkeyp
     import kvcompress.kernels.prefill_attention as pa
 
     monkeypatch.setenv("KVCOMPRESS_KERNELS", "triton")
-    model = make_tiny_model("llama", hidden_size=384, num_attention_heads=6, num_key_value_heads=2, head_dim=64,
-                            intermediate_size=256, num_hidden_layers=2)
+    model = make_tiny_model("llama", hidden_size=384, num_attention_heads=6, num_key_value_heads=2,
+                            head_dim=64, intermediate_size=256, num_hidden_layers=2)
     ids = torch.randint(3, 256, (2, 90), generator=torch.Generator().manual_seed(3))
     chunks = [ids[:, :40], ids[:, 40:77], ids[:, 77:]]
 

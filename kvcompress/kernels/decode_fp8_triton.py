@@ -13,7 +13,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvcompress.kernels.decode_attention_triton import LENGTH_ARGS, NEG_BIG, _cast, _dense_range, _dot, _value_of
+from kvcompress.kernels.decode_attention_triton import (
+    LENGTH_ARGS,
+    NEG_BIG,
+    _cast,
+    _dense_range,
+    _dot,
+    _value_of,
+)
 
 
 @triton.jit(do_not_specialize=LENGTH_ARGS)
@@ -82,7 +89,7 @@ def _fp8_split_kernel(
         else:
             n_logical = len_b
         rows = tl.arange(0, BN)
-        start = split * tokens_per_split
+        start = tl.multiple_of(split * tokens_per_split, BN)  # tokens_per_split is a multiple of the tile
         end = tl.minimum(start + tokens_per_split, n_logical)
         for l0 in range(start, end, BN):
             l = l0 + rows
