@@ -101,8 +101,9 @@ def test_eval_loads_weights_in_4_and_8_bits(checkpoint, flag, layer_class, tmp_p
 
     monkeypatch.setattr("kvcompress.cli_eval.load_model_or_exit", spy)
     out_json = tmp_path / "rows.json"
-    res = CliRunner().invoke(main, ["eval", checkpoint, flag, "-p", "bnb-nf4", "-p", "nuq4", "-p", "fp8",
-                                    "--context", "256", "--no-passkey", "--no-progress", "--json", str(out_json)])
+    args = ["eval", checkpoint, flag, "-p", "bnb-nf4", "-p", "nuq4", "-p", "fp8", "--context", "256",
+            "--no-passkey", "--no-progress", "--json", str(out_json)]
+    res = CliRunner().invoke(main, args)
     assert res.exit_code == 0, res.output
     model = loaded[0]
     names = {type(m).__name__ for m in model.modules()}
@@ -120,7 +121,8 @@ def test_calibrate_loads_weights_in_4_bits(checkpoint, tmp_path):
     from kvcompress.cli import main
 
     out = tmp_path / "cal.safetensors"
-    res = CliRunner().invoke(main, ["calibrate", checkpoint, "--load-in-4bit", "--out", str(out), "--samples", "2",
-                                    "--seq-len", "128", "--device", "cuda", "--no-progress"])
+    args = ["calibrate", checkpoint, "--load-in-4bit", "--out", str(out), "--samples", "2", "--seq-len", "128",
+            "--device", "cuda", "--no-progress"]
+    res = CliRunner().invoke(main, args)
     assert res.exit_code == 0, res.output
     assert out.exists() and out.stat().st_size > 0
