@@ -121,8 +121,8 @@ def test_calibrate_loads_weights_in_4_bits(checkpoint, tmp_path):
     from kvcompress.cli import main
 
     out = tmp_path / "cal.safetensors"
-    args = ["calibrate", checkpoint, "--load-in-4bit", "--out", str(out), "--samples", "2", "--seq-len", "128",
-            "--device", "cuda", "--no-progress"]
+    args = ["calibrate", checkpoint, "--load-in-4bit", "--out", str(out), "--samples", "2",
+            "--seq-len", "128", "--device", "cuda", "--no-progress"]
     res = CliRunner().invoke(main, args)
     assert res.exit_code == 0, res.output
     assert out.exists() and out.stat().st_size > 0
