@@ -198,3 +198,17 @@ def test_inspect_shows_policy_fingerprint_and_version(nuq4_config):
     assert out.exit_code == 0, out.output
     assert "format version 1" in out.output and "30 layers" in out.output and "3 kv heads" in out.output
     assert "nuq4/page" in out.output and "calibrated on" in out.output
+
+
+def test_static_fp8_scales_leave_headroom_for_text_beyond_the_calibration_range():
+    """A value 1.5x the calibration absmax (other text exceeds the calibrated range, BENCHMARKS.md) comes back
+    within FP8's relative rounding instead of being clipped to the absmax."""
+    from kvcompress.calib.fit import fp8_scales
+    from kvcompress.quant.fp8 import Fp8Codec
+
+    amax = torch.tensor([2.0, 0.5])  # per kv head, from calibration
+    codec = Fp8Codec(page_size=4, head_dim=8, num_heads=2, static_scale=fp8_scales(amax))
+    x = torch.full((1, 2, 4, 8), 0.01) * amax.view(1, 2, 1, 1)
+    x[0, :, 0, 0] = 1.5 * amax  # beyond the calibrated range
+    y = codec.decode(codec.encode(x, {}), {}, torch.float32)
+    assert torch.allclose(y, x, rtol=2 ** -4, atol=0)  # e4m3: 3 mantissa bits, half-ulp relative rounding
