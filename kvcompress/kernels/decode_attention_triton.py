@@ -310,7 +310,7 @@ def _decode_split_kernel(
             n_logical = n_sel * P
         else:
             n_logical = len_b
-        start = tl.multiple_of(split * tokens_per_split, BN)  # tokens_per_split is a multiple of the tile
+        start = split * tokens_per_split
         end = tl.minimum(start + tokens_per_split, n_logical)
         rows = tl.arange(0, BN)
         for l0 in range(start, end, BN):

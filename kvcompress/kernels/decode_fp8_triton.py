@@ -89,7 +89,7 @@ def _fp8_split_kernel(
         else:
             n_logical = len_b
         rows = tl.arange(0, BN)
-        start = tl.multiple_of(split * tokens_per_split, BN)  # tokens_per_split is a multiple of the tile
+        start = split * tokens_per_split
         end = tl.minimum(start + tokens_per_split, n_logical)
         for l0 in range(start, end, BN):
             l = l0 + rows

@@ -342,7 +342,7 @@ def _paged_split_kernel(
         acc_t = tl.zeros([DV, QR], tl.float32)  # transposed, channels in phase-major order (chv)
         rows = tl.arange(0, BN)
         wv = tl.arange(0, WV)
-        start = tl.multiple_of(split * tokens_per_split, BN)  # tokens_per_split is a multiple of the tile
+        start = split * tokens_per_split
         end = tl.minimum(start + tokens_per_split, n_logical)
         for l0 in range(start, end, BN):
             l = l0 + rows
