@@ -57,7 +57,13 @@ def kvcompress_attention(module, query, key, value, attention_mask, scaling=None
     state, step = layer.sparse, layer.sparse.step
     held = layer.held_tokens if deferred is not None else key.shape[2]
     step.deferred = deferred is not None
-    step.mask = held_mask(attention_mask, state.positions(held, key), query.shape[2])
+    if step.deferred and query.shape[2] > 1:
+        # a deferred prefill (Quest): the attention reads no mask, the policy only the newest query's row,
+        # so the [B, H, q, held] mask is not built
+        mask = attention_mask[..., -1:, :] if isinstance(attention_mask, torch.Tensor) else attention_mask
+        step.mask = held_mask(mask, state.positions(held, key), 1)
+    else:
+        step.mask = held_mask(attention_mask, state.positions(held, key), query.shape[2])
     step.scaling = scaling
     step.index = state.policy.select(state, query, step.mask)
     step.mass_queries = state.policy.mass_queries(query.shape[2])

@@ -8,7 +8,8 @@ What these prove:
 - under `kvcompress.enable` with the fused backend a prefill chunk of a compressed layer is deferred:
   the layer never decodes its dense K/V (`dense()` is not called), the chunk runs `prefill_attention`,
   and the model's logits equal the drop-in path's (1e-4 absolute, as in test_kernel_integration);
-- sparse layers keep the dense prefill (their policies score it).
+- Quest layers (nothing evicted, no prefill scores) prefill the same way and give the torch path's logits;
+  H2O layers keep the dense prefill (their policy scores it).
 """
 
 from __future__ import annotations
@@ -143,6 +144,39 @@ def test_enabled_prefill_is_deferred_and_equals_the_drop_in_path(preset, monkeyp
     assert len(calls) == 2 * len(chunks)  # every chunk of both layers
     assert not dense_calls  # the dense K/V was never built
     assert cache.layers[0].key_store.n_pages > 0
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-3)
+
+
+@needs_triton
+def test_quest_prefill_is_deferred_and_equals_the_torch_path(monkeypatch):
+    """Quest evicts nothing and needs no prefill scores: its prefill chunks run `prefill_attention` too."""
+    import kvcompress.kernels.prefill_attention as pa
+    from kvcompress.config import SparsitySpec
+
+    model = make_tiny_model("llama", hidden_size=384, num_attention_heads=6, num_key_value_heads=2,
+                            head_dim=64, intermediate_size=256, num_hidden_layers=2)
+    cfg = small_pages("nuq4", model.config)
+    cfg = KVCompressConfig(layout=cfg.layout, name="nuq4-quest-p8", layers=[
+        replace(p, sinks=8, residual=0, sparsity=SparsitySpec(method="quest", budget=24, page_size=8))
+        for p in cfg.layers])
+    ids = torch.randint(3, 256, (2, 80), generator=torch.Generator().manual_seed(4))
+
+    def run(kernels):
+        monkeypatch.setenv("KVCOMPRESS_KERNELS", kernels)
+        cache = CompressedCache(model.config, cfg)
+        with torch.no_grad(), kvcompress.enabled(model):
+            a = model(ids[:, :50], **with_cache(cache)).logits
+            b = model(ids[:, 50:79], **with_cache(cache)).logits
+            c = model(ids[:, 79:], **with_cache(cache)).logits  # a decode step: Quest reads a subset
+        return torch.cat([a, b, c], 1), cache
+
+    want, _ = run("torch")
+    calls = []
+    real = pa.prefill_attention
+    monkeypatch.setattr(pa, "prefill_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    got, cache = run("triton")
+    assert len(calls) == 2 * 2  # both prefill chunks of both layers
+    assert cache.layers[1].sparse.tokens_read < 80
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-3)
 
 

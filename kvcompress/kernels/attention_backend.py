@@ -92,12 +92,15 @@ def fused_supported(layer) -> bool:
 def defers_dense(layer, new_keys: torch.Tensor) -> bool:
     """Called by `CompressedLayer.update` after appending new_keys [B, H, q, D]: True when this step's
     attention reads the packed parts, so the layer need not decode its dense K/V (it is then marked).
-    Decode steps (q = 1) run the fused kernel; prefill chunks (q > 1) of layers without a sparsity policy
-    run `prefill_attention` (a block of pages at a time); sparse layers prefill over the dense K/V, since
-    their policies score the prefill's attention."""
+    Decode steps (q = 1) run the fused kernel; prefill chunks (q > 1) run `prefill_attention` (a block of
+    pages at a time) in layers without a sparsity policy and in Quest layers (which evict nothing and need
+    no prefill scores); the other sparse layers prefill over the dense K/V, since their policies score the
+    prefill's attention or hold positions out of order."""
     if not getattr(_local, "fused", False) or not fused_supported(layer):
         return False
-    if new_keys.shape[2] > 1 and getattr(layer, "sparse", None) is not None:
+    sparse = getattr(layer, "sparse", None)
+    if new_keys.shape[2] > 1 and sparse is not None and not (
+            sparse.policy.keeps_page_summaries and sparse.pos is None):
         return False
     if getattr(_local, "row_starts", None) is not None and getattr(layer, "sparse", None) is not None:
         return False  # padded rows over held positions that no longer follow the mask (see the module doc)
@@ -141,13 +144,18 @@ def attend_fused(query: torch.Tensor, layer, scaling: float, deferred: bool = Fa
     """The sparse-attention backend (kvcompress.sparse.attention.BACKENDS["fused"]).
 
     On a deferred decode step: the fused kernel over the packed parts, with Quest's pages as the page
-    list and, when the policy wants it, the per-token attention mass [B, H, held] (H2O). On any other
-    step (prefill, torch backend): the torch reference over the dense K/V.
+    list and, when the policy wants it, the per-token attention mass [B, H, held] (H2O). On a deferred
+    prefill chunk (Quest): `prefill_attention`. On any other step (prefill, torch backend): the torch
+    reference over the dense K/V.
     """
     from kvcompress.sparse.attention import attend_torch
 
     if not deferred:
         return attend_torch(query, layer, scaling)
+    if query.shape[2] > 1:  # a deferred prefill chunk (Quest reads everything at prefill)
+        from kvcompress.kernels.prefill_attention import prefill_attention
+
+        return prefill_attention(query, layer, scaling, getattr(_local, "row_starts", None)), None
     from kvcompress.kernels.decode_attention import layer_decode_attention
 
     step = layer.sparse.step
