@@ -69,6 +69,9 @@ CONFIGS = {
     "quest-50%": config("quest-50%", SparsitySpec("quest", ratio=0.5, page_size=8, dense_layers=2)),
     "quest-25%": config("quest-25%", SparsitySpec("quest", ratio=0.25, page_size=8, dense_layers=2)),
     "snapkv-50": "snapkv-50",
+    # the paper's settings (window 32, pooling kernel 7), the preset's before it took kvpress's 64 / 5
+    "snapkv-50-w32k7": config("snapkv-50-w32k7", SparsitySpec("snapkv", ratio=0.5, observation_window=32,
+                                                              pool_kernel=7)),
     "streaming-50%": config("streaming-50%", SparsitySpec("streaming", ratio=0.5, sinks=4, page_size=16)),
     # per-layer budgets at the same mean share (a dense layer counts as 100%)
     "h2o-50-d2": layered("h2o-50-d2", "h2o", dense_first(2, 0.5), page_size=16),
