@@ -4,9 +4,10 @@ A decode step (one query token) of a `CompressedLayer` whose codecs the fused ke
 decode its whole cache: `update()` asks `defers_dense(layer, new_keys)`, and when the answer is yes it
 returns the new token itself as a placeholder and the layer is marked *deferred*; the `kvcompress`
 attention then takes the mark (`take_deferred`) and runs `layer_decode_attention` over the packed
-parts (sinks | packed body | tail). A prefill chunk of a layer without a sparsity policy is deferred
-the same way and runs `prefill_attention` (kvcompress.kernels.prefill_attention: a block of pages at a
-time, so no dense copy of the cache is ever held); sparse layers prefill over the dense K/V with SDPA.
+parts (sinks | packed body | tail). A prefill chunk of a layer without a sparsity policy, or with Quest,
+is deferred the same way and runs `prefill_attention` (kvcompress.kernels.prefill_attention: a block of
+pages at a time, so no dense copy of the cache is ever held); the other sparse layers (H2O, SnapKV,
+StreamingLLM) prefill over the dense K/V, since their policies score or reorder the prefill.
 
 A step is deferred only inside a forward of a model enabled with the fused backend
 (`kvcompress.enable(model)`), whose pre-hook calls `begin_forward` with the backend
