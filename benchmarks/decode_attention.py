@@ -326,7 +326,7 @@ def main():
     ap.add_argument("--check-codecs", nargs="+", default=None, help="codecs to check (default: all)")
     ap.add_argument("--configs", nargs="+", default=["64,4,2", "64,8,2", "128,4,2", "128,8,2", "64,4,3", "128,8,3"],
                     help="fused-kernel configs to sweep (the best is reported): block_n,num_warps,num_stages"
-                         "[,splits per (batch, kv head)[,lut gather|select]]; 0 splits: the default")
+                         "[,splits per (batch, kv head)[,lut gather|select]]")
     ap.add_argument("--methods", nargs="+", default=["int4", "nuq4", "fp8", "nuq4+quest2048"],
                     help="presets to time (NAME+quest2048: with a Quest page list; NAME-noout: without outliers)")
     ap.add_argument("--out", default=None, help="write the markdown table here too")
@@ -338,10 +338,7 @@ def main():
     configs = []
     for c in args.configs:
         cfg = dict(zip(("block_n", "num_warps", "num_stages", "splits", "lut"), c.split(",")))
-        cfg = {k: (v if k == "lut" else int(v)) for k, v in cfg.items()}
-        if cfg.get("splits") == 0:
-            del cfg["splits"]
-        configs.append(cfg)
+        configs.append({k: (v if k == "lut" else int(v)) for k, v in cfg.items()})
     rows, appends, bw = run(args.contexts, args.batches, args.iters, configs, args.methods)
     import triton
 

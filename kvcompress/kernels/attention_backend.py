@@ -103,7 +103,7 @@ def defers_dense(layer, new_keys: torch.Tensor) -> bool:
     if new_keys.shape[2] > 1 and sparse is not None and not (
             sparse.policy.keeps_page_summaries and sparse.pos is None):
         return False
-    if getattr(_local, "row_starts", None) is not None and getattr(layer, "sparse", None) is not None:
+    if getattr(_local, "row_starts", None) is not None and sparse is not None:
         return False  # padded rows over held positions that no longer follow the mask (see the module doc)
     if getattr(_local, "deferred", None) is not None:
         waiting = _local.deferred[0]

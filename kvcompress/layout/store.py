@@ -67,8 +67,7 @@ class PagedStore:
         """Remove the newest n_pages pages and return their tokens decoded, [B, H, n*P, D]."""
         assert 0 < n_pages <= self.n_pages
         keep_tok, keep_page = self.n_tokens - n_pages * self.page_size, self.n_pages - n_pages
-        tail = {name: t[:, :, self._index(name, keep_tok, keep_page):] for name, t in self.data.items()}
-        out = self.codec.decode(tail, self.row, dtype)
+        out = self.decode_pages(keep_page, self.n_pages, dtype)
         self.data = {
             name: t[:, :, : self._index(name, keep_tok, keep_page)].clone() for name, t in self.data.items()
         }
