@@ -47,9 +47,11 @@ def preset_policy(name: str):
 
 def method_spec(name: str):
     """key spec, value spec, page size, sinks, tail tokens (the residual window half full, on average).
-    "NAME-noout": the preset without outliers (to see what they cost); "NAME-vtok": values scaled per token."""
+    "NAME-noout": the preset without outliers (to see what they cost); "NAME-vtok": values scaled per token;
+    "NAME-paged": an int preset on decode_paged_triton instead of decode_int_triton."""
     from dataclasses import replace
 
+    name = name.removesuffix("-paged")
     p = preset_policy(name.removesuffix("-noout").removesuffix("-vtok"))
     if name.endswith("-noout"):
         p = replace(p, key=replace(p.key, outlier_fraction=0.0), value=replace(p.value, outlier_fraction=0.0))
@@ -214,7 +216,8 @@ def run(contexts, batches, n_iter, configs, methods) -> list[dict]:
                 def step(i, cfg):
                     j = i % copies
                     pl = page_list if select is None else select(j)
-                    return decode_attention_triton(q[j], parts[j], SCALING, pl, **cfg)
+                    extra = dict(int_kernel=False) if "-paged" in method else {}
+                    return decode_attention_triton(q[j], parts[j], SCALING, pl, **cfg, **extra)
 
                 best = None
                 for cfg in configs:

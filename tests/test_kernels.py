@@ -2,7 +2,7 @@
 SDPA), and the Triton kernels against the torch twin on the same packed data (Triton's interpreter on CPU).
 
 What is proved: the fused kernel reads every codec's packed layout as the codec's own `decode` does
-(int 2/3/4/8 with per-page-channel and per-token-group scales, nuq 2/3/4 with outliers and rotation, fp8
+(int 2/3/4/8 with per-page-channel and per-token-group scales, 2/4-bit through their own kernel, nuq 2/3/4 with outliers and rotation, fp8
 e4m3/e5m2), merges sinks and tail, honours GQA groups, ragged batches and Quest page lists, and returns
 the H2O probabilities; float32 relative error <= 1e-3 in every case.
 """
@@ -230,6 +230,41 @@ def test_triton_left_padding(name):
     ref = torch.nn.functional.scaled_dot_product_attention(
         q[1:2, :, None], k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), scale=0.125)[:, :, 0]
     assert rel_err(want[1:2], ref) < 1e-5
+
+
+@needs_triton
+@pytest.mark.parametrize("name,d", [("int4", 128), ("int4", 64), ("int2", 128), ("int2", 64), ("int4-vtok", 128)])
+def test_int_kernel_is_used_and_equals_the_others(name, d, monkeypatch):
+    """KIVI-style int caches go through decode_int_triton (a spy on its launch says so, and int8 / int3 do
+    not); on GQA 1 / 3 / 8, ragged rows, pages of 16 in tiles of 32 and a page list, it equals the twin and
+    the paged kernel it replaces (int_kernel=False)."""
+    from kvcompress.kernels import decode_int_triton as ints
+    from kvcompress.kernels.decode_attention_triton import decode_attention_triton
+
+    launches = []
+    real = ints._int_split_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(ints, "_int_split_kernel", Spy())
+    for g in (1, 3, 8):
+        parts = make_parts(name, b=2, hkv=2, d=d, pages=5, page=16, lengths=[80, 37], seed=40 + g)
+        q = torch.randn(2, 2 * g, d, generator=torch.Generator().manual_seed(41))
+        for pl in (None, random_page_list(2, 2, 5, 3, seed=42)):
+            n = len(launches)
+            check_triton(parts, q, pl, block_n=None)
+            assert len(launches) == n + 1
+            paged, _ = decode_attention_triton(q, parts, 0.125, pl, int_kernel=False)
+            assert len(launches) == n + 1
+            ours, _ = decode_attention_triton(q, parts, 0.125, pl)
+            assert rel_err(ours, paged) <= 1e-5
+    for other in ("int8", "int3"):
+        n = len(launches)
+        check_triton(make_parts(other, b=2, hkv=2, d=64, pages=3, seed=43), torch.randn(2, 6, 64), block_n=None)
+        assert len(launches) == n
 
 
 @needs_triton

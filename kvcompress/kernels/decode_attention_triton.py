@@ -454,18 +454,21 @@ def decode_attention_triton(
     return_probs: bool = False,
     *,
     block_n: int | None = None,
-    num_warps: int = 4,
+    num_warps: int | None = None,
     num_stages: int = 3,
     splits: int | None = None,
     lut: str = "select",
+    int_kernel: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Fused decode attention; same signature and result as `decode_attention_torch`.
 
     q [B, Hq, Dk]; parts: see AttentionParts; page_list [B, Hkv, n_sel] (Quest); returns
     (out [B, Hq, Dv] in q.dtype, probs [B, Hkv, S+N+T] fp32 or None). Tuning: block_n body tokens per
-    step (None: 64 with outliers, else 128), num_warps / num_stages of the split kernel, splits per
-    (batch, kv head) (None: 16 per multiprocessor over all (batch, kv head) pairs),
-    lut: how the fast kernel reads nuq codebooks ("gather": a load per element, "select": a select tree).
+    step (None: 64 with outliers, else 128; the int kernel: one page of 32), num_warps (None: 1 for the int
+    kernel, else 4) / num_stages of the split kernel, splits per (batch, kv head) (None: 16 per
+    multiprocessor over all (batch, kv head) pairs), lut: how the fast kernel reads nuq codebooks
+    ("gather": a load per element, "select": a select tree), int_kernel: False keeps KIVI-style int caches
+    on decode_paged_triton (to compare the two).
     """
     b, hq, dk = q.shape
     hkv = parts.kv_heads
@@ -501,18 +504,32 @@ def decode_attention_triton(
     # codes), else the general one
     from kvcompress.kernels import decode_paged_triton as fast
 
+    from kvcompress.kernels import decode_int_triton as ints
+
     kernel, extra, ppi = _decode_split_kernel, {}, 1
+    dot = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
     paged = key_args is not None and fast.paged_supported(key_args, dk, page_size, True) and fast.paged_supported(
         value_args, dv, page_size, False)
-    if block_n is None:  # measured on an H200 (BENCHMARKS.md): 64 with outliers, else 128
+    kivi = paged and int_kernel and ints.int_supported(key_args, value_args, dk, dv)
+    if kivi:
+        block_n = ints.int_block(page_size, block_n)
+    elif block_n is None:  # measured on an H200 (BENCHMARKS.md): 64 with outliers, else 128
         block_n = 128 if paged and not (key_args.n_outliers or value_args.n_outliers) else 64
-    if paged and fast.is_fp8(key_args) and fast.is_fp8(value_args):
+    if kivi:
+        gq = _next_pow2(group)
+        magic, shift = ints.int_magic(key_args.bits, dot)
+        kernel, extra = ints._int_split_kernel, dict(
+            BITS=key_args.bits, V_GROUP=value_args.group, PHK=fast.phases(key_args, dk),
+            PHV=fast.phases(value_args, dv), WK=fast.words(key_args, dk), WV=fast.words(value_args, dv),
+            K_WB=fast.word_bits(key_args, dk), V_WB=fast.word_bits(value_args, dv), MAGIC=magic, SHIFT=shift,
+            GQ=gq, NGP=_next_pow2(max(dv // value_args.group, -(-8 // gq))))
+        num_warps = num_warps or 1  # measured on an H200 (BENCHMARKS.md): one warp per program
+    elif paged and fast.is_fp8(key_args) and fast.is_fp8(value_args):
         from kvcompress.kernels.decode_fp8_triton import _fp8_split_kernel
 
         kernel = _fp8_split_kernel
     elif paged:
         block_n, ppi = fast.paged_block(key_args, value_args, page_size, block_n)
-        dot = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
         k_magic, k_shift = fast.magic(key_args, dk, dot, True)
         v_magic, v_shift = fast.magic(value_args, dv, dot, False)
         kernel, extra = fast._paged_split_kernel, dict(
@@ -568,14 +585,13 @@ def decode_attention_triton(
         m_part, l_part, acc_part, scores, scores.stride(0) if return_probs else 0,
         scores.stride(1) if return_probs else 0,
         scaling * LOG2E,
-        HKV=hkv, G=group, GP=max(16, _next_pow2(group)), DK=dk, DV=dv,
-        P=page_size, BN=block_n, OPB=opb, DBN=32,
-        **_stream_constants(key_args, "K"), **_stream_constants(value_args, "V"),
-        HAS_BODY=key_args is not None, HAS_LENS=parts.body_lengths is not None,
-        HAS_STARTS=parts.row_starts is not None,
+        HKV=hkv, G=group, GP=max(16, _next_pow2(group)), DK=dk, DV=dv, P=page_size, BN=block_n, DBN=32,
+        HAS_LENS=parts.body_lengths is not None, HAS_STARTS=parts.row_starts is not None,
         HAS_PL=page_list is not None and key_args is not None, WRITE_SCORES=return_probs,
         DOT_FP32=dtype == torch.float32, DT=_DOT_DTYPES[dtype],
-        num_warps=num_warps, num_stages=num_stages, **extra,
+        num_warps=num_warps or 4, num_stages=num_stages, **extra,
+        **({} if kivi else dict(OPB=opb, HAS_BODY=key_args is not None, **_stream_constants(key_args, "K"),
+                                **_stream_constants(value_args, "V"))),
     )
     out = torch.empty(b, hq, dv, device=dev, dtype=q.dtype)
     lse = torch.empty(b, hq, device=dev, dtype=torch.float32)

@@ -1,0 +1,269 @@
+"""The body path of the fused decode attention for KIVI-style integer caches (2 and 4 bits): keys with a
+(scale, zero) per page and channel, values with a (scale, zero) per token and group of channels. Same
+result as `_decode_split_kernel` (decode_attention_triton.py), whose torch twin is
+`decode_attention_torch`; the launcher picks this kernel when `int_supported` says so.
+
+Why a third kernel: in `decode_paged_triton` the tokens are the M dimension of both dots, so every code is
+unpacked into one big operand tile that goes through shared memory (a 16-bit store per element), and the
+page scales fold into a stacked block of 16 query rows. Measured on an H200 (BENCHMARKS.md) that kernel
+reads a 4-bit cache at 0.44x the speed of bf16 SDPA. Here nothing per element goes through shared memory:
+- codes are read as words of WB bits and used one *phase* at a time (phase I = code I of every word, the
+  head-dim channels w * PH + I); each phase is its own dot with K = the W words of a token, so the
+  unpacked operand is an elementwise function of the word tile and Triton keeps it in registers
+  (one shift and one AND-OR per code, no conversion: (c | magic) read as a half float is offset + c);
+- keys: scores^T [BN, GQ] = sum over phases of codes_I [BN, W] . (q * key scale)_I^T [W, GQ]: the tokens
+  are M and the G query heads of the kv head are N, so a page's scales fold into a [W, GQ] query tile per
+  phase (tiny) instead of a stacked [16, D] one; the zeros and the code offset come back as one sum;
+- values: out_I^T [W, RV] += codes_I^T [W, BN] . a^T [BN, RV], where the RV columns are (channel group,
+  head) pairs and a = p times that group's per-token scale; each output channel keeps the column of its
+  own group (with G = 4 and 4 groups of 32 channels the 16 columns are all used);
+- one warp per program and tiles of one page of 32 tokens (measured best, BENCHMARKS.md).
+Quest page lists, left padding, ragged lengths and the H2O scores are supported as in the other kernels;
+sinks and tail are the exact split, as there.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kvcompress.kernels.decode_attention_triton import LENGTH_ARGS, NEG_BIG, _cast, _dense_range
+from kvcompress.kernels.decode_paged_triton import _mma, word_bits
+from kvcompress.kernels.streams import KIND_INT, SCALE_PAGE, SCALE_TOKEN, StreamArgs
+
+
+def int_supported(key: StreamArgs, value: StreamArgs, dk: int, dv: int) -> bool:
+    """Whether this kernel reads the pair: int 2/4-bit keys per page and channel, int values of the same
+    width per token (and channel group), no outliers, word loads of >= 16 words per token."""
+    if key.kind != KIND_INT or value.kind != KIND_INT or key.bits != value.bits or key.bits not in (2, 4):
+        return False
+    if key.scale_at != SCALE_PAGE or value.scale_at != SCALE_TOKEN or dv % value.group:
+        return False
+    if key.n_outliers or value.n_outliers or not (key.has_zero and value.has_zero):
+        return False
+    if key.scale_strides[3] != 1 or value.scale_strides[3] not in (0, 1):
+        return False  # the kernel reads scales as unit-stride channels (groups); the codecs store them so
+    for a, d in ((key, dk), (value, dv)):
+        wb = word_bits(a, d)
+        if wb < 0 or a.codes.stride(2) % (wb // 8) or a.codes.data_ptr() % 4:
+            return False
+    return True
+
+
+def int_magic(bits: int, dot_dtype: str) -> tuple[int, int]:
+    """(OR pattern, SHIFT) of the codes as dot operands: (c | pattern) read as bf16 is 128 + c (7 mantissa
+    bits), as fp16 1024 + c; fp32 dots take the centred codes c - 2^(b-1) (SHIFT) directly."""
+    if dot_dtype == "bf16":
+        return 0x4300, 128
+    if dot_dtype == "fp16":
+        return 0x6400, 1024
+    return 0, -(1 << (bits - 1))
+
+
+def int_block(page_size: int, block_n: int | None) -> int:
+    """Tokens per tile: whole pages, 32 unless asked (one page of the int presets; measured best)."""
+    bn = max(32 if block_n is None else block_n, page_size)
+    return -(-bn // page_size) * page_size
+
+
+@triton.jit
+def _phase(w, I: tl.constexpr, BITS: tl.constexpr, MAGIC: tl.constexpr, SHIFT: tl.constexpr,
+           DOT_FP32: tl.constexpr, DT: tl.constexpr):
+    """Code I of every word of tile w, as dot operands equal to code + SHIFT."""
+    c = (w >> (I * BITS)) & ((1 << BITS) - 1)
+    if MAGIC != 0:
+        x = (c | MAGIC).to(tl.int16).to(DT, bitcast=True)
+    elif DOT_FP32:
+        x = (c + SHIFT).to(tl.float32)
+    else:
+        x = (c + SHIFT).to(DT)
+    return x
+
+
+@triton.jit
+def _word_ptr(ptr, sn, WB: tl.constexpr):
+    """(pointer to WB-bit words, words per token) of a code tensor with a row stride of sn bytes."""
+    if WB == 32:
+        p = ptr.to(tl.pointer_type(tl.int32))
+        step = sn // 4
+    elif WB == 16:
+        p = ptr.to(tl.pointer_type(tl.int16))
+        step = sn // 2
+    else:
+        p = ptr
+        step = sn
+    return p, step
+
+
+@triton.jit
+def _words(p, step, tok, ok, W: tl.constexpr, TRANS: tl.constexpr):
+    """Words [BN, W] of the tokens tok [BN], or [W, BN] when TRANS, as int32 (16-bit words sign-extend; the
+    phases mask what they read)."""
+    cols = tl.arange(0, W)
+    if TRANS:
+        w = tl.load(p + tok[None, :] * step + cols[:, None], mask=ok[None, :], other=0)
+    else:
+        w = tl.load(p + tok[:, None] * step + cols[None, :], mask=ok[:, None], other=0)
+    return w.to(tl.int32)
+
+
+@triton.jit(do_not_specialize=LENGTH_ARGS)
+def _int_split_kernel(
+    Q, q_sb, q_sh,
+    KC, kc_sb, kc_sh, kc_sn, KS, KZ, ks_sb, ks_sh, ks_sn, ks_sc, KCB, kcb_sh, KOI, KOV, ko_sb, ko_sh, ko_sp,
+    VC, vc_sb, vc_sh, vc_sn, VS, VZ, vs_sb, vs_sh, vs_sn, vs_sc, VCB, vcb_sh, VOI, VOV, vo_sb, vo_sh, vo_sp,
+    SK, sk_sb, sk_sh, sk_sn, SV, sv_sb, sv_sh, sv_sn, n_sink,
+    TK, tk_sb, tk_sh, tk_sn, TV, tv_sb, tv_sh, tv_sn, n_tail,
+    LENS, STARTS, n_body, PL, pl_sb, pl_sh, n_sel, tokens_per_split, n_body_splits,
+    M_OUT, L_OUT, ACC_OUT, SCORES, sc_sb, sc_sh,
+    qk_scale,
+    HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+    P: tl.constexpr, BN: tl.constexpr, DBN: tl.constexpr, BITS: tl.constexpr, V_GROUP: tl.constexpr,
+    HAS_LENS: tl.constexpr, HAS_STARTS: tl.constexpr, HAS_PL: tl.constexpr,
+    WRITE_SCORES: tl.constexpr, DOT_FP32: tl.constexpr, DT: tl.constexpr,
+    PHK: tl.constexpr, PHV: tl.constexpr, WK: tl.constexpr, WV: tl.constexpr, K_WB: tl.constexpr,
+    V_WB: tl.constexpr, MAGIC: tl.constexpr, SHIFT: tl.constexpr, GQ: tl.constexpr, NGP: tl.constexpr,
+):
+    """Grid (B * Hkv, body splits + 1). Partial rows per (b, query head): one per body split, then the exact
+    parts (sinks, tail) at n_body_splits. GQ: G rounded up to a power of two; NGP: value channel groups
+    (DV / V_GROUP) rounded up so that RV = NGP * GQ >= 8 columns."""
+    RV: tl.constexpr = NGP * GQ
+    NG: tl.constexpr = DV // V_GROUP
+    C: tl.constexpr = 1 << (BITS - 1)
+    tl.static_assert(BN % P == 0)
+    pid_bh = tl.program_id(0)
+    split = tl.program_id(1)
+    NS = n_body_splits + 1
+    b = pid_bh // HKV
+    h = pid_bh % HKV
+    b64 = b.to(tl.int64)
+    if HAS_STARTS:  # left padding: held positions before row_first are not attended
+        row_first = tl.load(STARTS + b).to(tl.int32)
+    else:
+        row_first = 0
+
+    if split == n_body_splits:  # the exact parts: sinks, then tail
+        g = tl.arange(0, GP)
+        g_ok = g < G
+        q_rows = Q + b64 * q_sb + (h * G + g)[:, None] * q_sh
+        sc_row = SCORES + b64 * sc_sb + (h * G + g)[:, None] * sc_sh
+        out_row = (b * HKV * G + h * G + g) * NS + n_body_splits
+        m_e = tl.full([GP], NEG_BIG, tl.float32)
+        l_e = tl.zeros([GP], tl.float32)
+        dk = tl.arange(0, DK)
+        dv = tl.arange(0, DV)
+        q = tl.load(q_rows + dk[None, :], mask=g_ok[:, None], other=0.0).to(tl.float32)
+        q_dot = _cast(q, DOT_FP32, DT)
+        acc = tl.zeros([GP, DV], tl.float32)
+        m_e, l_e, acc = _dense_range(
+            m_e, l_e, acc, q_dot, SK + b64 * sk_sb + h * sk_sh, SV + b64 * sv_sb + h * sv_sh, sk_sn, sv_sn,
+            n_sink, 0, row_first, sc_row, g_ok, qk_scale, WRITE_SCORES, DBN, DK, DV, DOT_FP32, DT)
+        m_e, l_e, acc = _dense_range(
+            m_e, l_e, acc, q_dot, TK + b64 * tk_sb + h * tk_sh, TV + b64 * tv_sb + h * tv_sh, tk_sn, tv_sn,
+            n_tail, n_sink + n_body, row_first - n_sink - n_body, sc_row, g_ok, qk_scale, WRITE_SCORES, DBN, DK,
+            DV, DOT_FP32, DT)
+        tl.store(ACC_OUT + out_row[:, None] * DV + dv[None, :], acc, mask=g_ok[:, None])
+        tl.store(M_OUT + out_row, m_e, mask=g_ok)
+        tl.store(L_OUT + out_row, l_e, mask=g_ok)
+    else:
+        kc, kc_step = _word_ptr(KC + b64 * kc_sb + h * kc_sh, kc_sn, K_WB)
+        vc, vc_step = _word_ptr(VC + b64 * vc_sb + h * vc_sh, vc_sn, V_WB)
+        ks = KS + b64 * ks_sb + h * ks_sh
+        kz = KZ + b64 * ks_sb + h * ks_sh
+        vs = VS + b64 * vs_sb + h * vs_sh
+        vz = VZ + b64 * vs_sb + h * vs_sh
+        pl = PL + b64 * pl_sb + h * pl_sh
+        if HAS_LENS:
+            len_b = tl.load(LENS + b).to(tl.int32)
+        else:
+            len_b = n_body
+        if HAS_PL:
+            n_logical = n_sel * P
+        else:
+            n_logical = len_b
+        gh = tl.arange(0, GQ)
+        gh_ok = gh < G
+        q_cols = Q + b64 * q_sb + (h * G + gh)[None, :] * q_sh  # q^T: head g is column g
+        sc_cols = SCORES + b64 * sc_sb + (h * G + gh)[None, :] * sc_sh
+        # value columns (channel group, head)
+        rv = tl.arange(0, RV)
+        rv_grp = rv // GQ
+        rv_ok = ((rv % GQ) < G) & (rv_grp < NG)
+        ng = tl.arange(0, NGP)
+        wk = tl.arange(0, WK)
+        wv = tl.arange(0, WV)
+        t = tl.arange(0, BN)
+        m_i = tl.full([GQ], NEG_BIG, tl.float32)
+        l_i = tl.zeros([GQ], tl.float32)
+        z_acc = tl.zeros([RV], tl.float32)  # added to every channel of the column (value zeros, SHIFT)
+        accs = ()
+        for I in tl.static_range(PHV):
+            accs = accs + (tl.zeros([WV, RV], tl.float32),)
+        start = split * tokens_per_split
+        end = tl.minimum(start + tokens_per_split, n_logical)
+        for l0 in range(start, end, BN):
+            l = l0 + t
+            if HAS_PL:
+                page = tl.load(pl + l // P, mask=l < end, other=-1)
+                tok = page * P + l % P
+                ok = (l < end) & (page >= 0) & (tok < len_b)
+            else:
+                tok = l
+                ok = l < end
+            if HAS_STARTS:
+                ok = ok & (tok + n_sink >= row_first)
+            # -- scores^T [BN, GQ], a page at a time (each folds its own key scales into the query)
+            kw = _words(kc, kc_step, tok, ok, WK, False)  # [BN, WK]
+            sT = tl.zeros([BN, GQ], tl.float32)
+            for j in tl.static_range(BN // P):
+                if HAS_PL:
+                    kpage = tl.load(pl + l0 // P + j, mask=l0 + j * P < end, other=0)
+                else:
+                    kpage = l0 // P + j
+                part = tl.zeros([BN, GQ], tl.float32)
+                fix = tl.zeros([WK, GQ], tl.float32)
+                for I in tl.static_range(PHK):
+                    ch = wk * PHK + I
+                    qi = tl.load(q_cols + ch[:, None], mask=gh_ok[None, :], other=0.0).to(tl.float32)  # [WK, GQ]
+                    qs = qi * tl.load(ks + kpage * ks_sn + ch).to(tl.float32)[:, None]
+                    qd = _cast(qs, DOT_FP32, DT)
+                    # codes enter as c + SHIFT: (SHIFT + C) comes out with the same rounded operand and C
+                    # goes back unrounded, so the operand's rounding multiplies the centred codes
+                    fix += qi * tl.load(kz + kpage * ks_sn + ch).to(tl.float32)[:, None] + C * qs \
+                        - (SHIFT + C) * qd.to(tl.float32)
+                    part = _mma(_phase(kw, I, BITS, MAGIC, SHIFT, DOT_FP32, DT), qd, part, DOT_FP32)
+                sT = tl.where(((t // P) == j)[:, None], part + tl.sum(fix, 0)[None, :], sT)
+            valid = ok[:, None] & gh_ok[None, :]
+            sT = tl.where(valid, sT * qk_scale, float("-inf"))
+            if WRITE_SCORES:
+                tl.store(sc_cols + n_sink + tok[:, None], sT, mask=valid)
+            # -- online softmax (per head column)
+            m_new = tl.maximum(m_i, tl.max(sT, 0))
+            alpha = tl.exp2(m_i - m_new)
+            pT = tl.exp2(sT - m_new[None, :])
+            l_i = l_i * alpha + tl.sum(pT, 0)
+            # -- values: column (group, head) of a^T = p times the group's per-token scale
+            voff = tok[:, None] * vs_sn + ng[None, :]
+            vmask = ok[:, None] & (ng < NG)[None, :]
+            aT = tl.reshape(pT[:, None, :] * tl.load(vs + voff, mask=vmask, other=0.0).to(tl.float32)[:, :, None],
+                            (BN, RV))
+            zT = tl.reshape(pT[:, None, :] * tl.load(vz + voff, mask=vmask, other=0.0).to(tl.float32)[:, :, None],
+                            (BN, RV))
+            ad = _cast(aT, DOT_FP32, DT)
+            alpha_v = tl.reshape(tl.broadcast_to(alpha[None, :], (NGP, GQ)), (RV,))
+            z_acc = z_acc * alpha_v + tl.sum(zT + C * aT - (SHIFT + C) * ad.to(tl.float32), 0)
+            vw = _words(vc, vc_step, tok, ok, WV, True)  # [WV, BN]
+            new = ()
+            for I in tl.static_range(PHV):
+                new = new + (_mma(_phase(vw, I, BITS, MAGIC, SHIFT, DOT_FP32, DT), ad, accs[I] * alpha_v[None, :],
+                                  DOT_FP32),)
+            accs = new
+            m_i = m_new
+        out_g = (b * HKV * G + h * G + gh) * NS + split
+        tl.store(M_OUT + out_g, m_i, mask=gh_ok)
+        tl.store(L_OUT + out_g, l_i, mask=gh_ok)
+        out_v = (b * HKV * G + h * G + rv % GQ) * NS + split
+        for I in tl.static_range(PHV):
+            ch = wv * PHV + I
+            mine = rv_ok[None, :] & ((ch // V_GROUP)[:, None] == rv_grp[None, :])
+            tl.store(ACC_OUT + out_v[None, :] * DV + ch[:, None], accs[I] + z_acc[None, :], mask=mine)
