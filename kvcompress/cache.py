@@ -22,7 +22,7 @@ from kvcompress.config import ConfigError, KVCompressConfig, LayerPolicy
 from kvcompress.kernels.attention_backend import defers_dense
 from kvcompress.layout.arch import ModelLayout
 from kvcompress.layout.store import PagedStore
-from kvcompress.memory import LayerMemory, layer_memory_from_tensors
+from kvcompress.memory import LayerMemory, layer_memory_from_tensors, storage_bytes
 from kvcompress.quant.base import Role
 from kvcompress.quant.factory import make_codec
 from kvcompress.sparse.state import attach_sparsity, tokens_read
@@ -251,6 +251,23 @@ class CompressedLayer(CacheLayerMixin):
         )
 
 
+    def bytes_read_last_step(self) -> int:
+        """Bytes the last decode step read: the exact windows (sinks, tail) and the sparsity metadata (Quest
+        scores every page summary) in full, and the packed body in proportion to the body tokens its
+        selection read (whole pages); everything when nothing was selected."""
+        if not self.is_initialized:
+            return 0
+        m = self.memory()
+        sparse_bytes = storage_bytes(self.sparse.tensors()) if self.sparse is not None else 0
+        read = self.sparse.body_read if self.sparse is not None else None
+        if self.compressed:
+            window, body, n_body = m.window_bytes, m.payload_bytes + m.metadata_bytes - sparse_bytes, self.key_store.n_tokens
+        else:
+            window, body, n_body = 0, m.payload_bytes, self.held_tokens
+        share = 1.0 if read is None or n_body == 0 else min(read / n_body, 1.0)
+        return int(window + sparse_bytes + body * share)
+
+
 class CompressedSlidingLayer(DynamicSlidingWindowLayer):
     """A sliding-window layer: transformers' bounded layer (at most W - 1 tokens kept), with accounting."""
 
@@ -278,6 +295,9 @@ class CompressedSlidingLayer(DynamicSlidingWindowLayer):
     @property
     def held_tokens(self) -> int:
         return 0 if not self.is_initialized or self.keys.numel() == 0 else self.keys.shape[-2]
+
+    def bytes_read_last_step(self) -> int:
+        return self.memory().held_bytes
 
     def memory(self) -> LayerMemory:
         if not self.is_initialized or self.keys.numel() == 0:
@@ -337,6 +357,12 @@ class CompressedCache(Cache):
     def tokens_read_last_step(self) -> float:
         """Tokens read per kv head by the last step's attention, averaged over the full-attention layers."""
         return tokens_read(self)
+
+    def bytes_read_last_step(self) -> int:
+        """Bytes of K/V storage (and sparsity metadata) the last decode step read, over all layers; see
+        `CompressedLayer.bytes_read_last_step`. Compare with `memory_report()["uncompressed_bytes"]`, what a
+        dense cache of the same tokens reads every step."""
+        return sum(layer.bytes_read_last_step() for layer in self.layers)
 
     def memory_report(self) -> dict:
         """Bytes actually held, measured from the tensors, against a plain dynamic cache of the same tokens."""

@@ -269,3 +269,31 @@ def test_smollm2_h2o_budget_covering_context_is_exact(smollm2):
         logits, tokens = greedy(model, CompressedCache(model.config, cfg), ids, 6)
     assert torch.equal(tokens, ref_tokens)
     torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=0)
+
+
+def test_bytes_read_per_step_follow_the_selection(model):
+    """What `kvcompress eval` reports as KV read per step. A cache without a selection reads all it holds;
+    Quest over nuq4 pages reads its exact windows and every page summary, plus only the selected body
+    pages: less than it holds, more with a larger budget, everything once the budget covers the context."""
+    from kvcompress.memory import storage_bytes
+
+    ids = torch.randint(3, 256, (1, 90), generator=torch.Generator().manual_seed(8))
+    quant = dict(key=QuantSpec(method="nuq", bits=4, axis="page"), value=QuantSpec(method="nuq", bits=4, axis="token"),
+                 page_size=8, residual=8, sinks=2)
+    plain = CompressedCache(model.config, sparse_config(model, SparsitySpec(), **quant))
+    greedy(model, plain, ids, 3)
+    assert plain.bytes_read_last_step() == plain.memory_report()["held_bytes"]
+    read = {}
+    for budget in (24, 48, 200):
+        cache = CompressedCache(model.config, sparse_config(model, SparsitySpec("quest", budget=budget, page_size=8),
+                                                            **quant))
+        with kvcompress.enabled(model):
+            greedy(model, cache, ids, 3)
+        held = cache.memory_report()["held_bytes"]
+        read[budget] = cache.bytes_read_last_step()
+        floor = sum(layer.memory().window_bytes + storage_bytes(layer.sparse.tensors()) for layer in cache.layers)
+        if budget < 94:
+            assert floor < read[budget] < held
+        else:
+            assert read[budget] == held
+    assert read[24] < read[48]

@@ -71,6 +71,7 @@ class PerplexityResult:
     seconds_per_step: float  # median wall time of one decode step
     memory: dict | None = None  # the cache's memory report at the end, when it has one
     tokens_read: int | None = None  # tokens the last decode step attended to, when the cache says
+    bytes_read: int | None = None  # K/V bytes the last decode step read, when the cache says
     cache: object = field(default=None, repr=False)  # the cache as it stands at the end
 
 
@@ -124,9 +125,10 @@ def perplexity(
     mean = nll / n_tokens
     memory = cache.memory_report() if hasattr(cache, "memory_report") else None
     read = cache.tokens_read_last_step() if hasattr(cache, "tokens_read_last_step") else None
+    read_bytes = cache.bytes_read_last_step() if hasattr(cache, "bytes_read_last_step") else None
     return PerplexityResult(
         nll=mean, ppl=math.exp(mean), n_tokens=n_tokens, seconds_per_step=timer.median_s,
-        memory=memory, tokens_read=read, cache=cache,
+        memory=memory, tokens_read=read, bytes_read=read_bytes, cache=cache,
     )
 
 

@@ -30,7 +30,7 @@ UNCOMPRESSED = "uncompressed"
 ROW_KEYS = (
     "name", "kind", "context", "ppl", "nll", "ppl_delta_pct", "n_tokens", "passkey", "passkey_trials",
     "held_bytes", "uncompressed_bytes", "compression_ratio", "bits_per_element", "tokens_held",
-    "tokens_read", "ms_per_token",
+    "tokens_read", "bytes_read", "read_share", "ms_per_token",
 )
 
 
@@ -151,6 +151,8 @@ def perplexity_row(model, tokenizer, entry: CacheEntry, ids, on_step=None) -> di
     memory = res.memory if res.memory is not None else tensor_memory(res.cache, model.config)
     memory = memory or {}
     held = memory.get("tokens_held")
+    # a cache without the method (DynamicCache, baselines) reads everything it holds each step
+    read_bytes = res.bytes_read if res.bytes_read is not None else memory.get("held_bytes")
     return {
         "name": entry.name,
         "kind": entry.kind,
@@ -170,6 +172,8 @@ def perplexity_row(model, tokenizer, entry: CacheEntry, ids, on_step=None) -> di
         "bits_per_element": memory.get("bits_per_element"),
         "tokens_held": held,
         "tokens_read": res.tokens_read if res.tokens_read is not None else held,
+        "bytes_read": read_bytes,
+        "read_share": read_bytes / memory["uncompressed_bytes"] if read_bytes and memory.get("uncompressed_bytes") else None,
         "ms_per_token": 1000.0 * res.seconds_per_step,
     }
 

@@ -8,7 +8,8 @@ import os
 from kvcompress.atomic import write_json as atomic_write_json
 from kvcompress.report import fmt_bytes
 
-COLUMNS = ("cache", "ppl", "Δppl", "passkey", "KV held", "ratio", "bits/elem", "tokens held/read", "ms/token")
+COLUMNS = ("cache", "ppl", "Δppl", "passkey", "KV held", "ratio", "bits/elem", "tokens held/read", "KV read/step",
+           "ms/token")
 
 
 def _num(x, fmt: str, suffix: str = "") -> str:
@@ -41,6 +42,7 @@ def row_cells(r: dict) -> list[str]:
         _num(r.get("compression_ratio"), ".2f", "x"),
         _num(r.get("bits_per_element"), ".2f"),
         f"{held}/{_count(read)}" if held is not None else "n/a",
+        _num(100 * r["read_share"], ".1f", "%") if r.get("read_share") is not None else "n/a",
         _num(r.get("ms_per_token"), ".1f"),
     ]
 

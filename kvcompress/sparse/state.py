@@ -56,6 +56,7 @@ class SparseState:
         self.pending_keys: torch.Tensor | None = None
         self.step: StepInputs | None = None
         self.tokens_read = 0
+        self.body_read: float | None = None  # body tokens the last step read (None: all)
 
     # -- the hand-off --------------------------------------------------------------------------
     def on_update(self, layer, new_keys: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -151,6 +152,18 @@ def gather_step(step: StepInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     idx = step.index
     mask = step.mask.gather(3, idx[:, :, None, :].expand(-1, -1, step.mask.shape[2], -1))
     return gather_tokens(step.keys, idx), gather_tokens(step.values, idx), mask
+
+
+def body_tokens_read(layer, index: torch.Tensor | None) -> float | None:
+    """Held tokens of the layer's packed body that a step's selection index [B, H, n] reads, per (row, kv
+    head) on average; None when the step reads everything. An uncompressed layer's body is all it holds."""
+    if index is None:
+        return None
+    if not layer.compressed:
+        return float(index.shape[-1])
+    first = layer.sink_k.shape[2]
+    inside = (index >= first) & (index < first + layer.key_store.n_tokens)
+    return float(inside.sum(-1).float().mean())
 
 
 def tokens_read(cache) -> float:
