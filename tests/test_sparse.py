@@ -297,3 +297,18 @@ def test_bytes_read_per_step_follow_the_selection(model):
         else:
             assert read[budget] == held
     assert read[24] < read[48]
+
+
+def test_nuq4_quest_preset_is_served_by_the_fused_kernel(model):
+    """nuq4+quest-1024's Quest pages are its packed body pages (no separate sinks), which is what the fused
+    decode kernel needs to read only the selected pages; the first two layers stay dense."""
+    from kvcompress.kernels.attention_backend import fused_supported
+
+    cache = CompressedCache(model.config, "nuq4+quest-1024")
+    ids = torch.randint(3, 256, (1, 150), generator=torch.Generator().manual_seed(9))
+    with kvcompress.enabled(model):
+        model(ids, **with_cache(cache))
+    layer = cache.layers[2]
+    assert layer.key_store.n_pages == 2 and layer.sparse.policy.page_size == layer.key_store.page_size == 64
+    assert fused_supported(layer)
+    assert cache.layers[0].sparse is None and cache.layers[1].sparse is None

@@ -500,11 +500,10 @@ def decode_attention_triton(
             sink_v, tail_v = _rotate(sink_v, value_args.rotation_signs), _rotate(tail_v, value_args.rotation_signs)
     sink_k, sink_v, tail_k, tail_v = map(_rows_contiguous, (sink_k, sink_v, tail_k, tail_v))
 
-    # the fast kernels when both streams fold (decode_fp8_triton for fp8, decode_paged_triton for 2-8-bit
-    # codes), else the general one
-    from kvcompress.kernels import decode_paged_triton as fast
-
+    # the fast kernels when both streams fold (decode_fp8_triton for fp8, decode_int_triton for KIVI int2 /
+    # int4, decode_paged_triton for other 2-8-bit codes), else the general one
     from kvcompress.kernels import decode_int_triton as ints
+    from kvcompress.kernels import decode_paged_triton as fast
 
     kernel, extra, ppi = _decode_split_kernel, {}, 1
     dot = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")

@@ -5,8 +5,11 @@
 - snapkv-50: SnapKV keeping 50% of the prompt (window 64, pooling 5: kvpress's SnapKVPress defaults).
 - quest-512 / quest-1024 / quest-2048: Quest reading that many tokens per step (pages of 8), the
   first 2 layers dense.
-- nuq4+h2o-20 / nuq4+quest-1024: the same over nuq4 storage, in pages of 16 tokens (H2O evicts
-  whole packed pages, so smaller pages keep its choices fine-grained).
+- nuq4+h2o-20: the same over nuq4 storage, in pages of 16 tokens (H2O evicts whole packed pages, so
+  smaller pages keep its choices fine-grained).
+- nuq4+quest-1024: Quest over nuq4 storage, nuq4 and Quest pages of 64 tokens (a step reads every page
+  summary, so larger pages read fewer bytes; see QUEST_NUQ_PAGE) and no separate sinks (Quest always
+  reads the first page), so that Quest's pages are the body's pages and the fused kernel serves it.
 - pyramid-h2o-20: H2O with budgets decreasing linearly over depth (PyramidKV, arXiv:2406.02069),
   from 1.8x to 0.2x of 20% of the context, 20% on average.
 """
@@ -23,12 +26,20 @@ SPARSE_PAGE = 16  # H2O eviction chunk / packed pages under sparsity
 # Quest pages: 8-token pages bound q.k tighter than 16 (SmolLM2-135M, reading 50% of the context:
 # even choosing 16-token pages by their true attention mass costs +0.75% perplexity)
 QUEST_PAGE = 8
+# nuq4+quest-1024: nuq4 and Quest pages of 64. On SmolLM2, 4096 tokens of eval.txt (decode the second
+# half), per step K/V bytes read against an uncompressed cache and Δppl (BENCHMARKS.md): nuq4 pages of
+# 16 with Quest pages of 8: 17.3 %, +0.41 %; pages of 16: 11.6 %, +0.33 %; 32: 8.4 %, +0.89 %; 64: 7.7 %,
+# +0.58 %; pages of 64 without the 4 exact sinks (what the fused kernel needs: Quest pages must be body
+# pages) 7.7 %, +1.03 %. The float32 min / max summaries of every page are read each step, 2 / P of the
+# keys' bytes.
+QUEST_NUQ_PAGE = 64
 
 
-def _sparse(spec: SparsitySpec, base: str = "none", page_size: int | None = None) -> LayerFn:
+def _sparse(spec: SparsitySpec, base: str = "none", page_size: int | None = None, sinks: int | None = None) -> LayerFn:
     def fn(layout: ModelLayout, i: int) -> LayerPolicy:
         policy = PRESETS[base](layout, i)
-        return replace(policy, sparsity=spec, page_size=page_size or policy.page_size)
+        return replace(policy, sparsity=spec, page_size=page_size or policy.page_size,
+                       sinks=policy.sinks if sinks is None else sinks)
 
     return fn
 
@@ -64,5 +75,6 @@ register_preset("snapkv-50", _sparse(SNAPKV_50))
 for _n in (512, 1024, 2048):
     register_preset(f"quest-{_n}", _sparse(quest(_n)))
 register_preset("nuq4+h2o-20", _sparse(h2o(0.2), base="nuq4", page_size=SPARSE_PAGE))
-register_preset("nuq4+quest-1024", _sparse(quest(1024), base="nuq4", page_size=SPARSE_PAGE))
+register_preset("nuq4+quest-1024", _sparse(replace(quest(1024), page_size=QUEST_NUQ_PAGE), base="nuq4",
+                                            page_size=QUEST_NUQ_PAGE, sinks=0))
 register_preset("pyramid-h2o-20", _pyramid_h2o(0.2))
