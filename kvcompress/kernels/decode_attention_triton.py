@@ -233,6 +233,39 @@ def _dense_range(m_i, l_i, acc, q_dot, kp, vp, k_sn, v_sn, n, pos0, first, sc_ro
     return m_i, l_i, acc
 
 
+@triton.jit
+def _exact_split(Q, q_sb, q_sh, SK, sk_sb, sk_sh, sk_sn, SV, sv_sb, sv_sh, sv_sn, n_sink,
+                 TK, tk_sb, tk_sh, tk_sn, TV, tv_sb, tv_sh, tv_sn, n_tail, n_body, SCORES, sc_sb, sc_sh,
+                 M_OUT, L_OUT, ACC_OUT, b, h, row_first, NS, out_slot, qk_scale,
+                 HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                 DBN: tl.constexpr, WRITE_SCORES: tl.constexpr, DOT_FP32: tl.constexpr, DT: tl.constexpr):
+    """The split of the exact parts, as the fast kernels run it: the G query rows of kv head h of row b over
+    the sinks then the tail; writes partial row out_slot of the NS per query head."""
+    b64 = b.to(tl.int64)
+    g = tl.arange(0, GP)
+    g_ok = g < G
+    q_rows = Q + b64 * q_sb + (h * G + g)[:, None] * q_sh
+    sc_row = SCORES + b64 * sc_sb + (h * G + g)[:, None] * sc_sh
+    out_row = (b * HKV * G + h * G + g) * NS + out_slot
+    dk = tl.arange(0, DK)
+    dv = tl.arange(0, DV)
+    q = tl.load(q_rows + dk[None, :], mask=g_ok[:, None], other=0.0).to(tl.float32)
+    q_dot = _cast(q, DOT_FP32, DT)
+    m_e = tl.full([GP], NEG_BIG, tl.float32)
+    l_e = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, DV], tl.float32)
+    m_e, l_e, acc = _dense_range(
+        m_e, l_e, acc, q_dot, SK + b64 * sk_sb + h * sk_sh, SV + b64 * sv_sb + h * sv_sh, sk_sn, sv_sn,
+        n_sink, 0, row_first, sc_row, g_ok, qk_scale, WRITE_SCORES, DBN, DK, DV, DOT_FP32, DT)
+    m_e, l_e, acc = _dense_range(
+        m_e, l_e, acc, q_dot, TK + b64 * tk_sb + h * tk_sh, TV + b64 * tv_sb + h * tv_sh, tk_sn, tv_sn,
+        n_tail, n_sink + n_body, row_first - n_sink - n_body, sc_row, g_ok, qk_scale, WRITE_SCORES, DBN, DK,
+        DV, DOT_FP32, DT)
+    tl.store(ACC_OUT + out_row[:, None] * DV + dv[None, :], acc, mask=g_ok[:, None])
+    tl.store(M_OUT + out_row, m_e, mask=g_ok)
+    tl.store(L_OUT + out_row, l_e, mask=g_ok)
+
+
 # ---------------------------------------------------------------------------------------------------
 # the split kernel
 # ---------------------------------------------------------------------------------------------------

@@ -38,8 +38,8 @@ from kvcompress.kernels.decode_attention_triton import (
     LENGTH_ARGS,
     NEG_BIG,
     _cast,
-    _dense_range,
     _dot,
+    _exact_split,
     _outlier_deltas,
     _value_of,
 )
@@ -279,28 +279,10 @@ def _paged_split_kernel(
         row_first = 0
 
     if split == n_body_splits:  # the exact parts: sinks, then tail
-        g = tl.arange(0, GP)
-        g_ok = g < G
-        q_rows = Q + b64 * q_sb + (h * G + g)[:, None] * q_sh
-        sc_row = SCORES + b64 * sc_sb + (h * G + g)[:, None] * sc_sh
-        out_row = (b * HKV * G + h * G + g) * NS + n_body_splits * PPI
-        m_e = tl.full([GP], NEG_BIG, tl.float32)
-        l_e = tl.zeros([GP], tl.float32)
-        dk = tl.arange(0, DK)
-        dv = tl.arange(0, DV)
-        q = tl.load(q_rows + dk[None, :], mask=g_ok[:, None], other=0.0).to(tl.float32)
-        q_dot = _cast(q, DOT_FP32, DT)
-        acc = tl.zeros([GP, DV], tl.float32)
-        m_e, l_e, acc = _dense_range(
-            m_e, l_e, acc, q_dot, SK + b64 * sk_sb + h * sk_sh, SV + b64 * sv_sb + h * sv_sh, sk_sn, sv_sn,
-            n_sink, 0, row_first, sc_row, g_ok, qk_scale, WRITE_SCORES, DBN, DK, DV, DOT_FP32, DT)
-        m_e, l_e, acc = _dense_range(
-            m_e, l_e, acc, q_dot, TK + b64 * tk_sb + h * tk_sh, TV + b64 * tv_sb + h * tv_sh, tk_sn, tv_sn,
-            n_tail, n_sink + n_body, row_first - n_sink - n_body, sc_row, g_ok, qk_scale, WRITE_SCORES, DBN, DK,
-            DV, DOT_FP32, DT)
-        tl.store(ACC_OUT + out_row[:, None] * DV + dv[None, :], acc, mask=g_ok[:, None])
-        tl.store(M_OUT + out_row, m_e, mask=g_ok)
-        tl.store(L_OUT + out_row, l_e, mask=g_ok)
+        _exact_split(Q, q_sb, q_sh, SK, sk_sb, sk_sh, sk_sn, SV, sv_sb, sv_sh, sv_sn, n_sink,
+                     TK, tk_sb, tk_sh, tk_sn, TV, tv_sb, tv_sh, tv_sn, n_tail, n_body, SCORES, sc_sb, sc_sh,
+                     M_OUT, L_OUT, ACC_OUT, b, h, row_first, NS, n_body_splits * PPI, qk_scale,
+                     HKV, G, GP, DK, DV, DBN, WRITE_SCORES, DOT_FP32, DT)
     else:
         kc = KC + b64 * kc_sb + h * kc_sh
         ks = KS + b64 * ks_sb + h * ks_sh
