@@ -250,18 +250,19 @@ class CompressedLayer(CacheLayerMixin):
             elements_per_token=elems_per_token, dtype=self.dtype,
         )
 
-
     def bytes_read_last_step(self) -> int:
-        """Bytes the last decode step read: the exact windows (sinks, tail) and the sparsity metadata (Quest
-        scores every page summary) in full, and the packed body in proportion to the body tokens its
-        selection read (whole pages); everything when nothing was selected."""
+        """Bytes the last decode step reads through the fused kernel: the exact windows (sinks, tail) and the
+        sparsity metadata (Quest scores every page summary) in full, and the packed body in proportion to
+        the body tokens its selection read (whole pages); everything when nothing was selected. (The
+        drop-in path decodes the whole body, whatever the selection.)"""
         if not self.is_initialized:
             return 0
         m = self.memory()
         sparse_bytes = storage_bytes(self.sparse.tensors()) if self.sparse is not None else 0
         read = self.sparse.body_read if self.sparse is not None else None
         if self.compressed:
-            window, body, n_body = m.window_bytes, m.payload_bytes + m.metadata_bytes - sparse_bytes, self.key_store.n_tokens
+            window, n_body = m.window_bytes, self.key_store.n_tokens
+            body = m.payload_bytes + m.metadata_bytes - sparse_bytes
         else:
             window, body, n_body = 0, m.payload_bytes, self.held_tokens
         share = 1.0 if read is None or n_body == 0 else min(read / n_body, 1.0)

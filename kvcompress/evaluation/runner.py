@@ -173,7 +173,8 @@ def perplexity_row(model, tokenizer, entry: CacheEntry, ids, on_step=None) -> di
         "tokens_held": held,
         "tokens_read": res.tokens_read if res.tokens_read is not None else held,
         "bytes_read": read_bytes,
-        "read_share": read_bytes / memory["uncompressed_bytes"] if read_bytes and memory.get("uncompressed_bytes") else None,
+        "read_share": read_bytes / memory["uncompressed_bytes"] if read_bytes and memory.get("uncompressed_bytes")
+        else None,
         "ms_per_token": 1000.0 * res.seconds_per_step,
     }
 
