@@ -327,7 +327,8 @@ def main():
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--check-codecs", nargs="+", default=None, help="codecs to check (default: all)")
-    ap.add_argument("--configs", nargs="+", default=["64,4,2", "64,8,2", "128,4,2", "128,8,2", "64,4,3", "128,8,3"],
+    ap.add_argument("--configs", nargs="+", default=["32,1,3", "64,4,2", "64,8,2", "128,4,2", "128,8,2", "64,4,3",
+                                                     "128,8,3"],
                     help="fused-kernel configs to sweep (the best is reported): block_n,num_warps,num_stages"
                          "[,splits per (batch, kv head)[,lut gather|select]]")
     ap.add_argument("--methods", nargs="+", default=["int4", "nuq4", "fp8", "nuq4+quest2048"],
