@@ -25,7 +25,7 @@ from kvcompress.layout.store import PagedStore
 from kvcompress.memory import LayerMemory, layer_memory_from_tensors, storage_bytes
 from kvcompress.quant.base import Role
 from kvcompress.quant.factory import make_codec
-from kvcompress.sparse.state import attach_sparsity, tokens_read
+from kvcompress.sparse.state import attach_sparsity, body_tokens_read, tokens_read
 
 
 def _empty_like_tokens(x: torch.Tensor) -> torch.Tensor:
@@ -259,7 +259,7 @@ class CompressedLayer(CacheLayerMixin):
             return 0
         m = self.memory()
         sparse_bytes = storage_bytes(self.sparse.tensors()) if self.sparse is not None else 0
-        read = self.sparse.body_read if self.sparse is not None else None
+        read = body_tokens_read(self.sparse) if self.sparse is not None else None
         if self.compressed:
             window, n_body = m.window_bytes, self.key_store.n_tokens
             body = m.payload_bytes + m.metadata_bytes - sparse_bytes

@@ -44,7 +44,7 @@ def kvcompress_attention(module, query, key, value, attention_mask, scaling=None
     query [B, Hq, q, D], key/value [B, H, held, D] -> (output [B, q, Hq, Dv], None).
     """
     from kvcompress.kernels.attention_backend import attend_layer, take_deferred
-    from kvcompress.sparse.state import body_tokens_read, take_pending
+    from kvcompress.sparse.state import take_pending
 
     if scaling is None:
         scaling = getattr(module, "scaling", query.shape[-1] ** -0.5)
@@ -72,7 +72,8 @@ def kvcompress_attention(module, query, key, value, attention_mask, scaling=None
         backend = _backend("fused")
     out, mass = backend(query, layer, scaling)
     state.tokens_read = step.index.shape[-1] if step.index is not None else held
-    state.body_read = body_tokens_read(layer, step.index)
+    state.read_index = step.index
+    state.read_body = (layer.sink_k.shape[2], layer.key_store.n_tokens) if layer.compressed else (0, held)
     state.policy.after_attention(layer, state, mass, step.mask[:, :, -1, :])
     state.step = None  # drop this step's dense K/V
     return out.transpose(1, 2).contiguous(), None

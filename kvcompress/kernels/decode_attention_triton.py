@@ -234,6 +234,32 @@ def _dense_range(m_i, l_i, acc, q_dot, kp, vp, k_sn, v_sn, n, pos0, first, sc_ro
 
 
 @triton.jit
+def _sinks_then_tail(m_i, l_i, acc, q_dot, sk, sv, sk_sn, sv_sn, n_sink, tk, tv, tk_sn, tv_sn, n_tail, n_body,
+                     first, sc_row, g_ok, qk_scale, WRITE_SCORES: tl.constexpr, DBN: tl.constexpr,
+                     DK: tl.constexpr, DV: tl.constexpr, DOT_FP32: tl.constexpr, DT: tl.constexpr):
+    """The exact parts of one kv head: the sinks (positions 0..) then the tail (after the n_body body
+    tokens); positions before `first` are padding."""
+    m_i, l_i, acc = _dense_range(m_i, l_i, acc, q_dot, sk, sv, sk_sn, sv_sn, n_sink, 0, first, sc_row, g_ok,
+                                 qk_scale, WRITE_SCORES, DBN, DK, DV, DOT_FP32, DT)
+    return _dense_range(m_i, l_i, acc, q_dot, tk, tv, tk_sn, tv_sn, n_tail, n_sink + n_body,
+                        first - n_sink - n_body, sc_row, g_ok, qk_scale, WRITE_SCORES, DBN, DK, DV, DOT_FP32, DT)
+
+
+@triton.jit
+def _body_extent(LENS, b, n_body, n_sel, HAS_LENS: tl.constexpr, HAS_PL: tl.constexpr, P: tl.constexpr):
+    """(body tokens of row b, logical tokens the splits walk: the body, or the page list's pages)."""
+    if HAS_LENS:
+        len_b = tl.load(LENS + b).to(tl.int32)
+    else:
+        len_b = n_body
+    if HAS_PL:
+        n_logical = n_sel * P
+    else:
+        n_logical = len_b
+    return len_b, n_logical
+
+
+@triton.jit
 def _exact_split(Q, q_sb, q_sh, SK, sk_sb, sk_sh, sk_sn, SV, sv_sb, sv_sh, sv_sn, n_sink,
                  TK, tk_sb, tk_sh, tk_sn, TV, tv_sb, tv_sh, tv_sn, n_tail, n_body, SCORES, sc_sb, sc_sh,
                  M_OUT, L_OUT, ACC_OUT, b, h, row_first, NS, out_slot, qk_scale,
@@ -254,13 +280,10 @@ def _exact_split(Q, q_sb, q_sh, SK, sk_sb, sk_sh, sk_sn, SV, sv_sb, sv_sh, sv_sn
     m_e = tl.full([GP], NEG_BIG, tl.float32)
     l_e = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, DV], tl.float32)
-    m_e, l_e, acc = _dense_range(
-        m_e, l_e, acc, q_dot, SK + b64 * sk_sb + h * sk_sh, SV + b64 * sv_sb + h * sv_sh, sk_sn, sv_sn,
-        n_sink, 0, row_first, sc_row, g_ok, qk_scale, WRITE_SCORES, DBN, DK, DV, DOT_FP32, DT)
-    m_e, l_e, acc = _dense_range(
-        m_e, l_e, acc, q_dot, TK + b64 * tk_sb + h * tk_sh, TV + b64 * tv_sb + h * tv_sh, tk_sn, tv_sn,
-        n_tail, n_sink + n_body, row_first - n_sink - n_body, sc_row, g_ok, qk_scale, WRITE_SCORES, DBN, DK,
-        DV, DOT_FP32, DT)
+    m_e, l_e, acc = _sinks_then_tail(
+        m_e, l_e, acc, q_dot, SK + b64 * sk_sb + h * sk_sh, SV + b64 * sv_sb + h * sv_sh, sk_sn, sv_sn, n_sink,
+        TK + b64 * tk_sb + h * tk_sh, TV + b64 * tv_sb + h * tv_sh, tk_sn, tv_sn, n_tail, n_body, row_first,
+        sc_row, g_ok, qk_scale, WRITE_SCORES, DBN, DK, DV, DOT_FP32, DT)
     tl.store(ACC_OUT + out_row[:, None] * DV + dv[None, :], acc, mask=g_ok[:, None])
     tl.store(M_OUT + out_row, m_e, mask=g_ok)
     tl.store(L_OUT + out_row, l_e, mask=g_ok)
@@ -314,13 +337,10 @@ def _decode_split_kernel(
 
     if split == n_body_splits:
         # the exact parts: sinks, then tail
-        m_i, l_i, acc = _dense_range(
-            m_i, l_i, acc, q_dot, SK + b64 * sk_sb + h * sk_sh, SV + b64 * sv_sb + h * sv_sh, sk_sn, sv_sn,
-            n_sink, 0, row_first, sc_row, g_ok, qk_scale, WRITE_SCORES, DBN, DK, DV, DOT_FP32, DT)
-        m_i, l_i, acc = _dense_range(
-            m_i, l_i, acc, q_dot, TK + b64 * tk_sb + h * tk_sh, TV + b64 * tv_sb + h * tv_sh, tk_sn, tv_sn,
-            n_tail, n_sink + n_body, row_first - n_sink - n_body, sc_row, g_ok, qk_scale, WRITE_SCORES, DBN, DK,
-            DV, DOT_FP32, DT)
+        m_i, l_i, acc = _sinks_then_tail(
+            m_i, l_i, acc, q_dot, SK + b64 * sk_sb + h * sk_sh, SV + b64 * sv_sb + h * sv_sh, sk_sn, sv_sn, n_sink,
+            TK + b64 * tk_sb + h * tk_sh, TV + b64 * tv_sb + h * tv_sh, tk_sn, tv_sn, n_tail, n_body, row_first,
+            sc_row, g_ok, qk_scale, WRITE_SCORES, DBN, DK, DV, DOT_FP32, DT)
     elif HAS_BODY:
         kc = KC + b64 * kc_sb + h * kc_sh
         ks = KS + b64 * ks_sb + h * ks_sh
@@ -335,14 +355,7 @@ def _decode_split_kernel(
         voi = VOI + b64 * vo_sb + h * vo_sh
         vov = VOV + b64 * vo_sb + h * vo_sh
         pl = PL + b64 * pl_sb + h * pl_sh
-        if HAS_LENS:
-            len_b = tl.load(LENS + b).to(tl.int32)
-        else:
-            len_b = n_body
-        if HAS_PL:
-            n_logical = n_sel * P
-        else:
-            n_logical = len_b
+        len_b, n_logical = _body_extent(LENS, b, n_body, n_sel, HAS_LENS, HAS_PL, P)
         start = split * tokens_per_split
         end = tl.minimum(start + tokens_per_split, n_logical)
         rows = tl.arange(0, BN)

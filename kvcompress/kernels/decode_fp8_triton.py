@@ -16,9 +16,10 @@ import triton.language as tl
 from kvcompress.kernels.decode_attention_triton import (
     LENGTH_ARGS,
     NEG_BIG,
+    _body_extent,
     _cast,
-    _dense_range,
     _dot,
+    _sinks_then_tail,
     _value_of,
 )
 
@@ -67,27 +68,17 @@ def _fp8_split_kernel(
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, DV], tl.float32)
     if split == n_body_splits:  # the exact parts: sinks, then tail
-        m_i, l_i, acc = _dense_range(
-            m_i, l_i, acc, q_dot, SK + b64 * sk_sb + h * sk_sh, SV + b64 * sv_sb + h * sv_sh, sk_sn, sv_sn,
-            n_sink, 0, row_first, sc_row, g_ok, qk_scale, WRITE_SCORES, DBN, DK, DV, DOT_FP32, DT)
-        m_i, l_i, acc = _dense_range(
-            m_i, l_i, acc, q_dot, TK + b64 * tk_sb + h * tk_sh, TV + b64 * tv_sb + h * tv_sh, tk_sn, tv_sn,
-            n_tail, n_sink + n_body, row_first - n_sink - n_body, sc_row, g_ok, qk_scale, WRITE_SCORES, DBN, DK,
-            DV, DOT_FP32, DT)
+        m_i, l_i, acc = _sinks_then_tail(
+            m_i, l_i, acc, q_dot, SK + b64 * sk_sb + h * sk_sh, SV + b64 * sv_sb + h * sv_sh, sk_sn, sv_sn, n_sink,
+            TK + b64 * tk_sb + h * tk_sh, TV + b64 * tv_sb + h * tv_sh, tk_sn, tv_sn, n_tail, n_body, row_first,
+            sc_row, g_ok, qk_scale, WRITE_SCORES, DBN, DK, DV, DOT_FP32, DT)
     else:
         kc = KC + b64 * kc_sb + h * kc_sh
         ks = KS + b64 * ks_sb + h * ks_sh
         vc = VC + b64 * vc_sb + h * vc_sh
         vs = VS + b64 * vs_sb + h * vs_sh
         pl = PL + b64 * pl_sb + h * pl_sh
-        if HAS_LENS:
-            len_b = tl.load(LENS + b).to(tl.int32)
-        else:
-            len_b = n_body
-        if HAS_PL:
-            n_logical = n_sel * P
-        else:
-            n_logical = len_b
+        len_b, n_logical = _body_extent(LENS, b, n_body, n_sel, HAS_LENS, HAS_PL, P)
         rows = tl.arange(0, BN)
         start = split * tokens_per_split
         end = tl.minimum(start + tokens_per_split, n_logical)

@@ -27,7 +27,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvcompress.kernels.decode_attention_triton import LENGTH_ARGS, NEG_BIG, _cast, _exact_split
+from kvcompress.kernels.decode_attention_triton import (
+    LENGTH_ARGS,
+    NEG_BIG,
+    _body_extent,
+    _cast,
+    _exact_split,
+)
 from kvcompress.kernels.decode_paged_triton import _mma, word_bits
 from kvcompress.kernels.streams import KIND_INT, SCALE_PAGE, SCALE_TOKEN, StreamArgs
 
@@ -155,14 +161,7 @@ def _int_split_kernel(
         vs = VS + b64 * vs_sb + h * vs_sh
         vz = VZ + b64 * vs_sb + h * vs_sh
         pl = PL + b64 * pl_sb + h * pl_sh
-        if HAS_LENS:
-            len_b = tl.load(LENS + b).to(tl.int32)
-        else:
-            len_b = n_body
-        if HAS_PL:
-            n_logical = n_sel * P
-        else:
-            n_logical = len_b
+        len_b, n_logical = _body_extent(LENS, b, n_body, n_sel, HAS_LENS, HAS_PL, P)
         gh = tl.arange(0, GQ)
         gh_ok = gh < G
         q_cols = Q + b64 * q_sb + (h * G + gh)[None, :] * q_sh  # q^T: head g is column g

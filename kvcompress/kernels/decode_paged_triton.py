@@ -37,6 +37,7 @@ import triton.language as tl
 from kvcompress.kernels.decode_attention_triton import (
     LENGTH_ARGS,
     NEG_BIG,
+    _body_extent,
     _cast,
     _dot,
     _exact_split,
@@ -293,14 +294,7 @@ def _paged_split_kernel(
         vz = VZ + b64 * vs_sb + h * vs_sh
         vcb = VCB + h * vcb_sh
         pl = PL + b64 * pl_sb + h * pl_sh
-        if HAS_LENS:
-            len_b = tl.load(LENS + b).to(tl.int32)
-        else:
-            len_b = n_body
-        if HAS_PL:
-            n_logical = n_sel * P
-        else:
-            n_logical = len_b
+        len_b, n_logical = _body_extent(LENS, b, n_body, n_sel, HAS_LENS, HAS_PL, P)
         # columns: PPI page slots x G heads (column i: slot i // G, head i % G); each is its own partial
         # softmax over the tokens of its slot, with that page's key scales folded into its query
         rq = tl.arange(0, QR)

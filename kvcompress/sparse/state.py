@@ -56,7 +56,10 @@ class SparseState:
         self.pending_keys: torch.Tensor | None = None
         self.step: StepInputs | None = None
         self.tokens_read = 0
-        self.body_read: float | None = None  # body tokens the last step read (None: all)
+        # the last step's selection [B, H, n] (None: everything) and the packed body's (first, count) then;
+        # counted only when asked (bytes_read_last_step), so the decode step never waits on the device
+        self.read_index: torch.Tensor | None = None
+        self.read_body: tuple[int, int] = (0, 0)
 
     # -- the hand-off --------------------------------------------------------------------------
     def on_update(self, layer, new_keys: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -154,15 +157,13 @@ def gather_step(step: StepInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     return gather_tokens(step.keys, idx), gather_tokens(step.values, idx), mask
 
 
-def body_tokens_read(layer, index: torch.Tensor | None) -> float | None:
-    """Held tokens of the layer's packed body that a step's selection index [B, H, n] reads, per (row, kv
-    head) on average; None when the step reads everything. An uncompressed layer's body is all it holds."""
-    if index is None:
+def body_tokens_read(state) -> float | None:
+    """Tokens of the layer's body (packed pages; all it holds when uncompressed) that the last step's
+    selection read, per (row, kv head) on average; None when the step read everything."""
+    if state.read_index is None:
         return None
-    if not layer.compressed:
-        return float(index.shape[-1])
-    first = layer.sink_k.shape[2]
-    inside = (index >= first) & (index < first + layer.key_store.n_tokens)
+    first, n_body = state.read_body
+    inside = (state.read_index >= first) & (state.read_index < first + n_body)
     return float(inside.sum(-1).float().mean())
 
 
