@@ -35,7 +35,9 @@ QUEST_PAGE = 8
 QUEST_NUQ_PAGE = 64
 
 
-def _sparse(spec: SparsitySpec, base: str = "none", page_size: int | None = None, sinks: int | None = None) -> LayerFn:
+def _sparse(
+    spec: SparsitySpec, base: str = "none", page_size: int | None = None, sinks: int | None = None
+) -> LayerFn:
     def fn(layout: ModelLayout, i: int) -> LayerPolicy:
         policy = PRESETS[base](layout, i)
         return replace(policy, sparsity=spec, page_size=page_size or policy.page_size,
