@@ -48,7 +48,7 @@ def preset_policy(name: str):
 def method_spec(name: str):
     """key spec, value spec, page size, sinks, tail tokens (the residual window half full, on average).
     "NAME-noout": the preset without outliers (to see what they cost); "NAME-vtok": values scaled per token;
-    "NAME-paged": an int preset on decode_paged_triton instead of decode_int_triton."""
+    "NAME-paged": a preset on decode_paged_triton instead of decode_phase_triton."""
     from dataclasses import replace
 
     name = name.removesuffix("-paged")
@@ -216,7 +216,7 @@ def run(contexts, batches, n_iter, configs, methods) -> list[dict]:
                 def step(i, cfg):
                     j = i % copies
                     pl = page_list if select is None else select(j)
-                    extra = dict(int_kernel=False) if "-paged" in method else {}
+                    extra = dict(phase_kernel=False) if "-paged" in method else {}
                     return decode_attention_triton(q[j], parts[j], SCALING, pl, **cfg, **extra)
 
                 best = None
@@ -330,7 +330,7 @@ def main():
     ap.add_argument("--configs", nargs="+", default=["32,1,3", "64,4,2", "64,8,2", "128,4,2", "128,8,2", "64,4,3",
                                                      "128,8,3"],
                     help="fused-kernel configs to sweep (the best is reported): block_n,num_warps,num_stages"
-                         "[,splits per (batch, kv head)[,lut gather|select]]")
+                         "[,splits per (batch, kv head) or - for the default[,lut select|gather|shuffle]]")
     ap.add_argument("--methods", nargs="+", default=["int4", "nuq4", "fp8", "nuq4+quest2048"],
                     help="presets to time (NAME+quest2048: with a Quest page list; NAME-noout: without outliers)")
     ap.add_argument("--out", default=None, help="write the markdown table here too")
@@ -342,7 +342,7 @@ def main():
     configs = []
     for c in args.configs:
         cfg = dict(zip(("block_n", "num_warps", "num_stages", "splits", "lut"), c.split(",")))
-        configs.append({k: (v if k == "lut" else int(v)) for k, v in cfg.items()})
+        configs.append({k: (v if k == "lut" else None if v == "-" else int(v)) for k, v in cfg.items()})
     rows, appends, bw = run(args.contexts, args.batches, args.iters, configs, args.methods)
     import triton
 

@@ -12,6 +12,11 @@ Per cache: the prompt is prefilled in chunks of --chunk tokens (logits of the la
 [B, chunk, vocab] tensor), then --steps greedy decode steps are timed with CUDA events after --warmup
 steps (which must cover a page being filled and encoded, so that no kernel compiles inside the timing). Tokens/s = batch * steps / time.
 
+Each cache runs in its own fresh process by default (--in-process runs both in this one): measured on
+an H200 (BENCHMARKS.md), a nuq4 step took 42.7 ms when it ran first in a process and 91-117 ms when it
+ran after the DynamicCache run, while the DynamicCache step did not depend on the order; one process per
+cache removes that dependence on what ran before.
+
 Longest context at this batch: the peak memory (torch.cuda.max_memory_allocated over prefill + decode)
 is measured at two prompt lengths, L/2 and L; it is linear in the length, peak(n) = a + b*n, and the
 longest context is the n where a + b*n reaches the memory this process can use (free memory at start
@@ -26,6 +31,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
 import time
 
 import torch
@@ -159,6 +169,37 @@ def longest_context(short: dict, long: dict, capacity: int) -> tuple[int, float]
     return (int((capacity - a) / b) if b > 0 else 0), b
 
 
+def measure(kind: str, args, device) -> dict:
+    """Prefill and decode one cache at L/2 and L tokens: its timed row, peak memory fit and capacity."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+    model = build_model(args.tiny, device)
+    capacity = free if device.type == "cuda" else 0  # memory this process could use (model included)
+    short = run_one(kind, model, args, args.prompt // 2, device, timed=False)
+    long = run_one(kind, model, args, args.prompt, device, timed=True)
+    fit, per_token = longest_context(short, long, capacity) if device.type == "cuda" else (0, 0.0)
+    long.update(short_peak=short["peak"], longest=fit, peak_per_token=per_token,
+                cache_per_token=long["cache_bytes"] / long["tokens"], capacity=capacity)
+    kvcompress.disable(model)
+    del model
+    return long
+
+
+def measure_in_child(kind: str, argv) -> dict:
+    """`measure` in a fresh Python process (this script with --only), its row read back from JSON."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "row.json")
+        i = argv.index("--out") if "--out" in argv else None
+        if i is not None:
+            argv = argv[:i] + argv[i + 2:]
+        argv = [a for a in argv if not a.startswith("--out=")]
+        only = "dynamic" if kind == "dynamic" else "compressed"
+        subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--only", only, "--out", out], check=True)
+        with open(out) as f:
+            return json.load(f)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tiny", action="store_true", help="a 2-layer model and short context (CPU check)")
@@ -172,6 +213,9 @@ def main(argv=None) -> None:
     ap.add_argument("--preset", default="nuq4")
     ap.add_argument("--profile", type=int, default=0, help="also profile this many decode steps per cache")
     ap.add_argument("--out", required=True, help="file the result table is written to")
+    ap.add_argument("--in-process", action="store_true",
+                    help="run both caches in this process, one after the other (default: a fresh process each)")
+    ap.add_argument("--only", choices=("dynamic", "compressed"), help=argparse.SUPPRESS)  # one cache, JSON to --out
     args = ap.parse_args(argv)
     args.batch = args.batch or (2 if args.tiny else 8)
     args.prompt = args.prompt or (96 if args.tiny else 32768)
@@ -179,23 +223,20 @@ def main(argv=None) -> None:
     args.steps = args.steps or (4 if args.tiny else 64)
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-    model = build_model(args.tiny, device)
-    capacity = free if device.type == "cuda" else 0  # memory this process could use (model included)
     backend = select_backend(device)
-
-    results = {}
-    for kind in ("dynamic", args.preset):
-        short = run_one(kind, model, args, args.prompt // 2, device, timed=False)
-        long = run_one(kind, model, args, args.prompt, device, timed=True)
-        fit, per_token = longest_context(short, long, capacity) if device.type == "cuda" else (0, 0.0)
-        long.update(short_peak=short["peak"], longest=fit, peak_per_token=per_token,
-                    cache_per_token=long["cache_bytes"] / long["tokens"])
-        results[kind] = long
-    kvcompress.disable(model)
+    kinds = ("dynamic", args.preset)
+    if args.only:
+        kind = kinds[args.only == "compressed"]
+        with open(args.out, "w") as f:
+            json.dump(measure(kind, args, device), f)
+        return
+    if args.in_process:
+        results = {kind: measure(kind, args, device) for kind in kinds}
+    else:
+        results = {kind: measure_in_child(kind, argv) for kind in kinds}
 
     base, comp = results["dynamic"], results[args.preset]
+    capacity = comp["capacity"]
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     head = (f"e2e decode, {datetime.date.today()}, {gpu}, {'tiny' if args.tiny else 'Llama-3.1-8B shape'} "
             f"random weights, batch {args.batch}, prompt {args.prompt} (chunks {args.chunk}), {args.steps} "

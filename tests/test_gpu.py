@@ -90,6 +90,18 @@ def test_fused_kernel_d64(name, gqa):
     compare(parts, q, random_page_list(3, 3, 64, 16, seed=26).to(DEV), TOL[LOW])
 
 
+@pytest.mark.parametrize("lut", ["select", "gather", "shuffle"])
+@pytest.mark.parametrize("name", ["nuq4-kout", "nuq2-page"])
+def test_phase_kernel_codebook_reads(name, lut):
+    """The nuq layouts the phase kernel reads, with each way of reading the codebook, at Llama-3.1-8B layer
+    size in bf16, with and without a page list."""
+    parts = to_cuda(make_parts(name, b=3, hkv=8, d=128, pages=64, page=32, sinks=4, tail=31,
+                               lengths=[2048, 1500, 77], seed=28, dtype=LOW))
+    q = torch.randn(3, 32, 128, generator=torch.Generator().manual_seed(29)).to(LOW).to(DEV)
+    compare(parts, q, None, TOL[LOW], lut=lut)
+    compare(parts, q, random_page_list(3, 8, 64, 20, seed=30).to(DEV), TOL[LOW], lut=lut)
+
+
 @pytest.mark.parametrize("spec", ENCODE_SPECS, ids=lambda s: f"{s.method}{s.bits}-{s.axis}-{s.fp8_format}")
 def test_page_encode_bit_exact(spec):
     from kvcompress.kernels.page_encode import encode_pages_triton

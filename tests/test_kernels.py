@@ -2,7 +2,8 @@
 SDPA), and the Triton kernels against the torch twin on the same packed data (Triton's interpreter on CPU).
 
 What is proved: the fused kernel reads every codec's packed layout as the codec's own `decode` does
-(int 2/3/4/8 with per-page-channel and per-token-group scales, 2/4-bit through their own kernel, nuq 2/3/4 with outliers and rotation, fp8
+(int 2/3/4/8 with per-page-channel and per-token-group scales, nuq 2/3/4 with outliers and rotation,
+2/4-bit keys per page through their own kernel, fp8
 e4m3/e5m2), merges sinks and tail, honours GQA groups, ragged batches and Quest page lists, and returns
 the H2O probabilities; float32 relative error <= 1e-3 in every case.
 """
@@ -49,6 +50,8 @@ SPECS = {
     "nuq4-page": (QuantSpec(method="nuq", bits=4, axis="page", outlier_fraction=0.01),
                   QuantSpec(method="nuq", bits=4, axis="token", outlier_fraction=0.01)),
     "nuq3-page": (QuantSpec(method="nuq", bits=3, axis="page"), QuantSpec(method="nuq", bits=3, axis="token")),
+    "nuq2-page": (QuantSpec(method="nuq", bits=2, axis="page", outlier_fraction=0.02),
+                  QuantSpec(method="nuq", bits=2, axis="token")),
     # the nuq4 preset: key outliers only, values on a Student-t codebook
     "nuq4-kout": (QuantSpec(method="nuq", bits=4, axis="page", outlier_fraction=0.01),
                   QuantSpec(method="nuq", bits=4, axis="token", codebook="student_t5")),
@@ -233,35 +236,39 @@ def test_triton_left_padding(name):
 
 
 @needs_triton
-@pytest.mark.parametrize("name,d", [("int4", 128), ("int4", 64), ("int2", 128), ("int2", 64), ("int4-vtok", 128)])
-def test_int_kernel_is_used_and_equals_the_others(name, d, monkeypatch):
-    """KIVI-style int caches go through decode_int_triton (a spy on its launch says so, and int8 / int3 do
-    not); on GQA 1 / 3 / 8, ragged rows, pages of 16 in tiles of 32 and a page list, it equals the twin and
-    the paged kernel it replaces (int_kernel=False)."""
-    from kvcompress.kernels import decode_int_triton as ints
+@pytest.mark.parametrize("name,d,lut", [("int4", 128, "select"), ("int4", 64, "select"), ("int2", 128, "select"),
+                                        ("int2", 64, "select"), ("int4-vtok", 128, "select"),
+                                        ("nuq4-kout", 128, "select"), ("nuq4-kout", 64, "gather"), ("nuq4-kout", 64, "shuffle"),
+                                        ("nuq2-page", 64, "select")])
+def test_phase_kernel_is_used_and_equals_the_others(name, d, lut, monkeypatch):
+    """2/4-bit caches with keys per page (KIVI int, the nuq presets' layout with key outliers) go through
+    decode_phase_triton (a spy on its launch says so; int8 / int3 / nuq3 / per-channel nuq keys do not); on
+    GQA 1 / 3 / 8, ragged rows, pages of 16 in tiles of 32 and a page list, it equals the twin and the
+    paged kernel it replaces (phase_kernel=False)."""
+    from kvcompress.kernels import decode_phase_triton as phase
     from kvcompress.kernels.decode_attention_triton import decode_attention_triton
 
     launches = []
-    real = ints._int_split_kernel
+    real = phase._phase_split_kernel
 
     class Spy:
         def __getitem__(self, grid):
             launches.append(grid)
             return real[grid]
 
-    monkeypatch.setattr(ints, "_int_split_kernel", Spy())
+    monkeypatch.setattr(phase, "_phase_split_kernel", Spy())
     for g in (1, 3, 8):
         parts = make_parts(name, b=2, hkv=2, d=d, pages=5, page=16, lengths=[80, 37], seed=40 + g)
         q = torch.randn(2, 2 * g, d, generator=torch.Generator().manual_seed(41))
         for pl in (None, random_page_list(2, 2, 5, 3, seed=42)):
             n = len(launches)
-            check_triton(parts, q, pl, block_n=None)
+            check_triton(parts, q, pl, block_n=None, lut=lut)
             assert len(launches) == n + 1
-            paged, _ = decode_attention_triton(q, parts, 0.125, pl, int_kernel=False)
+            paged, _ = decode_attention_triton(q, parts, 0.125, pl, phase_kernel=False, lut=lut)
             assert len(launches) == n + 1
-            ours, _ = decode_attention_triton(q, parts, 0.125, pl)
+            ours, _ = decode_attention_triton(q, parts, 0.125, pl, lut=lut)
             assert rel_err(ours, paged) <= 1e-5
-    for other in ("int8", "int3"):
+    for other in ("int8", "int3", "nuq3-page", "nuq4"):
         n = len(launches)
         check_triton(make_parts(other, b=2, hkv=2, d=64, pages=3, seed=43), torch.randn(2, 6, 64), block_n=None)
         assert len(launches) == n

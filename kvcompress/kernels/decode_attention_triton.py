@@ -14,6 +14,8 @@ Importing this module imports Triton; `kvcompress.kernels.decode_attention` does
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -454,8 +456,14 @@ def _rows_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
     return 4  # the interpreter: few splits keep the tests fast
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sms(index: int) -> int:
+    """Multiprocessors of CUDA device `index` (asked once: the query costs host time on every decode step)."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _stream_launch_args(a: StreamArgs) -> list:
@@ -503,19 +511,24 @@ def decode_attention_triton(
     num_warps: int | None = None,
     num_stages: int = 3,
     splits: int | None = None,
-    lut: str = "select",
-    int_kernel: bool = True,
+    lut: str | None = None,
+    phase_kernel: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Fused decode attention; same signature and result as `decode_attention_torch`.
 
     q [B, Hq, Dk]; parts: see AttentionParts; page_list [B, Hkv, n_sel] (Quest); returns
     (out [B, Hq, Dv] in q.dtype, probs [B, Hkv, S+N+T] fp32 or None). Tuning: block_n body tokens per
-    step (None: 64 with outliers, else 128; the int kernel: one page of 32), num_warps (None: 1 for the int
-    kernel, else 4) / num_stages of the split kernel, splits per (batch, kv head) (None: 16 per
-    multiprocessor over all (batch, kv head) pairs), lut: how the fast kernel reads nuq codebooks
-    ("gather": a load per element, "select": a select tree), int_kernel: False keeps KIVI-style int caches
-    on decode_paged_triton (to compare the two).
+    step (None: 64 with outliers, else 128; the phase kernel: one page of 32), num_warps (None: 1 for the
+    phase kernel, else 4) / num_stages of the split kernel, splits per (batch, kv head) (None: 16 per
+    multiprocessor over all (batch, kv head) pairs), lut: how the fast kernels read nuq codebooks
+    ("select": a select tree, "gather": a load per element, "shuffle": a warp shuffle from levels held in
+    registers, the phase kernel only; the paged kernel reads "shuffle" as "gather"; None: measured best on
+    an H200, "shuffle" in the phase kernel, "select" in the paged one), phase_kernel: False keeps the caches that
+    decode_phase_triton reads (KIVI int2 / int4, nuq4 / nuq2 keys per page) on decode_paged_triton (to
+    compare the two).
     """
+    if lut not in (None, "select", "gather", "shuffle"):
+        raise ValueError(f"lut must be 'select', 'gather' or 'shuffle', got {lut!r}")
     b, hq, dk = q.shape
     hkv = parts.kv_heads
     if hq % hkv:
@@ -546,28 +559,31 @@ def decode_attention_triton(
             sink_v, tail_v = _rotate(sink_v, value_args.rotation_signs), _rotate(tail_v, value_args.rotation_signs)
     sink_k, sink_v, tail_k, tail_v = map(_rows_contiguous, (sink_k, sink_v, tail_k, tail_v))
 
-    # the fast kernels when both streams fold (decode_fp8_triton for fp8, decode_int_triton for KIVI int2 /
-    # int4, decode_paged_triton for other 2-8-bit codes), else the general one
-    from kvcompress.kernels import decode_int_triton as ints
+    # the fast kernels when both streams fold (decode_fp8_triton for fp8, decode_phase_triton for 2- and
+    # 4-bit keys per page with values per token, decode_paged_triton for other 2-8-bit codes), else the
+    # general one
     from kvcompress.kernels import decode_paged_triton as fast
+    from kvcompress.kernels import decode_phase_triton as phase
 
     kernel, extra, ppi = _decode_split_kernel, {}, 1
     dot = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
     paged = key_args is not None and fast.paged_supported(key_args, dk, page_size, True) and fast.paged_supported(
         value_args, dv, page_size, False)
-    kivi = paged and int_kernel and ints.int_supported(key_args, value_args, dk, dv)
-    if kivi:
-        block_n = ints.int_block(page_size, block_n)
+    by_phase = paged and phase_kernel and phase.phase_supported(key_args, value_args, dk, dv)
+    if by_phase:
+        block_n = phase.phase_block(page_size, block_n)
     elif block_n is None:  # measured on an H200 (BENCHMARKS.md): 64 with outliers, else 128
         block_n = 128 if paged and not (key_args.n_outliers or value_args.n_outliers) else 64
-    if kivi:
+    if by_phase:
         gq = _next_pow2(group)
-        magic, shift = ints.int_magic(key_args.bits, dot)
-        kernel, extra = ints._int_split_kernel, dict(
-            BITS=key_args.bits, V_GROUP=value_args.group, PHK=fast.phases(key_args, dk),
-            PHV=fast.phases(value_args, dv), WK=fast.words(key_args, dk), WV=fast.words(value_args, dv),
-            K_WB=fast.word_bits(key_args, dk), V_WB=fast.word_bits(value_args, dv), MAGIC=magic, SHIFT=shift,
-            GQ=gq, NGP=_next_pow2(max(dv // value_args.group, -(-8 // gq))))
+        magic, shift = phase.phase_magic(key_args.kind, key_args.bits, dot)
+        kernel, extra = phase._phase_split_kernel, dict(
+            KIND=key_args.kind, BITS=key_args.bits, V_GROUP=value_args.group, V_HAS_ZERO=value_args.has_zero,
+            K_NOUT=key_args.n_outliers, K_KCP=max(16, _next_pow2(key_args.n_outliers)),
+            OPB=block_n // page_size, LUT=phase.LUTS[lut or "shuffle"],
+            PHK=fast.phases(key_args, dk), PHV=fast.phases(value_args, dv), WK=fast.words(key_args, dk),
+            WV=fast.words(value_args, dv), K_WB=fast.word_bits(key_args, dk), V_WB=fast.word_bits(value_args, dv),
+            MAGIC=magic, SHIFT=shift, GQ=gq, NGP=_next_pow2(max(dv // value_args.group, -(-8 // gq))))
         num_warps = num_warps or 1  # measured on an H200 (BENCHMARKS.md): one warp per program
     elif paged and fast.is_fp8(key_args) and fast.is_fp8(value_args):
         from kvcompress.kernels.decode_fp8_triton import _fp8_split_kernel
@@ -581,7 +597,7 @@ def decode_attention_triton(
             PHK=fast.phases(key_args, dk), PHV=fast.phases(value_args, dv), WK=fast.words(key_args, dk),
             WV=fast.words(value_args, dv), K_WB=fast.word_bits(key_args, dk), V_WB=fast.word_bits(value_args, dv),
             K_MAGIC=k_magic, K_SHIFT=k_shift, V_MAGIC=v_magic, V_SHIFT=v_shift, PPI=ppi,
-            QR=max(16, _next_pow2(ppi * group)), LUT_SELECT=lut == "select")
+            QR=max(16, _next_pow2(ppi * group)), LUT_SELECT=lut in (None, "select"))
 
     # body geometry and splits
     has_outliers = key_args is not None and (key_args.n_outliers or value_args.n_outliers)
@@ -635,7 +651,7 @@ def decode_attention_triton(
         HAS_PL=page_list is not None and key_args is not None, WRITE_SCORES=return_probs,
         DOT_FP32=dtype == torch.float32, DT=_DOT_DTYPES[dtype],
         num_warps=num_warps or 4, num_stages=num_stages, **extra,
-        **({} if kivi else dict(OPB=opb, HAS_BODY=key_args is not None, **_stream_constants(key_args, "K"),
+        **({} if by_phase else dict(OPB=opb, HAS_BODY=key_args is not None, **_stream_constants(key_args, "K"),
                                 **_stream_constants(value_args, "V"))),
     )
     out = torch.empty(b, hq, dv, device=dev, dtype=q.dtype)

@@ -1,8 +1,9 @@
 """The fast body path of the fused decode attention for 2-, 4- and 8-bit codes (int / nuq; fp8 when only
 one stream is fp8): scales folded out of the inner loop, codes read as whole words. Same result as
 `_decode_split_kernel` (decode_attention_triton.py), whose torch twin is `decode_attention_torch`; the
-launcher picks this kernel when `paged_supported` says so (fp8 / fp8 goes to decode_fp8_triton, and the
-int2 / int4 presets to decode_int_triton, measured twice as fast).
+launcher picks this kernel when `paged_supported` says so (fp8 / fp8 goes to decode_fp8_triton, and 2- /
+4-bit keys per page with values per token, the int2 / int4 / nuq4 / nuq2 presets, to decode_phase_triton,
+measured twice as fast).
 
 Why a second kernel: dequantizing every element (unpack, scale, zero) before the dot makes decode bound
 by the ALUs, the load units and the registers, not by HBM. Measured with Nsight Compute on an H200

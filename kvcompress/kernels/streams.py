@@ -14,6 +14,10 @@ from dataclasses import dataclass
 import torch
 
 from kvcompress.quant.base import Codec
+from kvcompress.quant.fp8 import Fp8Codec
+from kvcompress.quant.identity import IdentityCodec
+from kvcompress.quant.nuq import NuqCodec
+from kvcompress.quant.uniform import UniformCodec
 
 # value(code)
 KIND_DENSE, KIND_FP8E4, KIND_FP8E5, KIND_INT, KIND_NUQ = 0, 1, 2, 3, 4
@@ -22,11 +26,6 @@ SCALE_NONE, SCALE_TOKEN, SCALE_PAGE, SCALE_ROW, SCALE_HEAD = 0, 1, 2, 3, 4
 
 
 def stream_supported(codec: Codec) -> bool:
-    from kvcompress.quant.fp8 import Fp8Codec
-    from kvcompress.quant.identity import IdentityCodec
-    from kvcompress.quant.nuq import NuqCodec
-    from kvcompress.quant.uniform import UniformCodec
-
     if isinstance(codec, NuqCodec):
         return codec.codebook.dim() in (1, 2)
     return isinstance(codec, (Fp8Codec, IdentityCodec, UniformCodec))
@@ -55,10 +54,6 @@ class StreamArgs:
 
 
 def stream_args(codec: Codec, data: dict[str, torch.Tensor], row: dict[str, torch.Tensor]) -> StreamArgs:
-    from kvcompress.quant.fp8 import Fp8Codec
-    from kvcompress.quant.identity import IdentityCodec
-    from kvcompress.quant.uniform import UniformCodec
-
     if not stream_supported(codec):
         raise NotImplementedError(
             f"the fused decode kernel does not read {type(codec).__name__} streams; "

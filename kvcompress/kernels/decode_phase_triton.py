@@ -1,7 +1,9 @@
-"""The body path of the fused decode attention for KIVI-style integer caches (2 and 4 bits): keys with a
-(scale, zero) per page and channel, values with a (scale, zero) per token and group of channels. Same
-result as `_decode_split_kernel` (decode_attention_triton.py), whose torch twin is
-`decode_attention_torch`; the launcher picks this kernel when `int_supported` says so.
+"""The body path of the fused decode attention for 2- and 4-bit caches whose keys have a (scale, zero) per
+page and channel and whose values are scaled per token: the KIVI int presets (int2 / int4: values per
+token and group of channels, with zeros) and the nuq presets' layout (nuq4: codebook levels, keys with 1%
+outliers per page, values per whole token). Same result as `_decode_split_kernel`
+(decode_attention_triton.py), whose torch twin is `decode_attention_torch`; the launcher picks this kernel
+when `phase_supported` says so.
 
 Why a third kernel: in `decode_paged_triton` the tokens are the M dimension of both dots, so every code is
 unpacked into one big operand tile that goes through shared memory (a 16-bit store per element), and the
@@ -10,10 +12,13 @@ reads a 4-bit cache at 0.44x the speed of bf16 SDPA. Here nothing per element go
 - codes are read as words of WB bits and used one *phase* at a time (phase I = code I of every word, the
   head-dim channels w * PH + I); each phase is its own dot with K = the W words of a token, so the
   unpacked operand is an elementwise function of the word tile and Triton keeps it in registers
-  (one shift and one AND-OR per code, no conversion: (c | magic) read as a half float is offset + c);
+  (int: one shift and one AND-OR per code, no conversion: (c | magic) read as a half float is offset + c;
+  nuq: the code's level, by a tree of selects or a warp shuffle over levels held in registers, or a load
+  per element);
 - keys: scores^T [BN, GQ] = sum over phases of codes_I [BN, W] . (q * key scale)_I^T [W, GQ]: the tokens
   are M and the G query heads of the kv head are N, so a page's scales fold into a [W, GQ] query tile per
   phase (tiny) instead of a stacked [16, D] one; the zeros and the code offset come back as one sum;
+  key outliers are exact corrections, one sparse one-hot dot per tile as in the paged kernel;
 - values: out_I^T [W, RV] += codes_I^T [W, BN] . a^T [BN, RV], where the RV columns are (channel group,
   head) pairs and a = p times that group's per-token scale; each output channel keeps the column of its
   own group (with G = 4 and 4 groups of 32 channels the 16 columns are all used);
@@ -32,20 +37,31 @@ from kvcompress.kernels.decode_attention_triton import (
     NEG_BIG,
     _body_extent,
     _cast,
+    _dot,
     _exact_split,
+    _outlier_deltas,
 )
 from kvcompress.kernels.decode_paged_triton import _mma, word_bits
-from kvcompress.kernels.streams import KIND_INT, SCALE_PAGE, SCALE_TOKEN, StreamArgs
+from kvcompress.kernels.streams import KIND_INT, KIND_NUQ, SCALE_PAGE, SCALE_TOKEN, StreamArgs
+
+LUT_SELECT, LUT_GATHER, LUT_SHUFFLE = 0, 1, 2
+LUTS = {"select": LUT_SELECT, "gather": LUT_GATHER, "shuffle": LUT_SHUFFLE}
 
 
-def int_supported(key: StreamArgs, value: StreamArgs, dk: int, dv: int) -> bool:
-    """Whether this kernel reads the pair: int 2/4-bit keys per page and channel, int values of the same
-    width per token (and channel group), no outliers, word loads of >= 16 words per token."""
-    if key.kind != KIND_INT or value.kind != KIND_INT or key.bits != value.bits or key.bits not in (2, 4):
+def phase_supported(key: StreamArgs, value: StreamArgs, dk: int, dv: int) -> bool:
+    """Whether this kernel reads the pair: 2/4-bit keys (int or nuq, both streams the same kind and width)
+    with a (scale, zero) per page and channel, values scaled per token (int: per group of channels with
+    zeros; nuq: per whole token), outliers only in the keys, word loads of >= 16 words per token."""
+    if key.kind != value.kind or key.kind not in (KIND_INT, KIND_NUQ) or key.bits != value.bits:
         return False
-    if key.scale_at != SCALE_PAGE or value.scale_at != SCALE_TOKEN or dv % value.group:
+    if key.bits not in (2, 4) or key.scale_at != SCALE_PAGE or not key.has_zero:
         return False
-    if key.n_outliers or value.n_outliers or not (key.has_zero and value.has_zero):
+    if value.scale_at != SCALE_TOKEN or dv % value.group or value.n_outliers:
+        return False
+    if key.kind == KIND_INT and (key.n_outliers or not value.has_zero):
+        return False
+    if key.kind == KIND_NUQ and (value.group != dv or key.rotation_signs is not None
+                                 or value.rotation_signs is not None):
         return False
     if key.scale_strides[3] != 1 or value.scale_strides[3] not in (0, 1):
         return False  # the kernel reads scales as unit-stride channels (groups); the codecs store them so
@@ -56,9 +72,12 @@ def int_supported(key: StreamArgs, value: StreamArgs, dk: int, dv: int) -> bool:
     return True
 
 
-def int_magic(bits: int, dot_dtype: str) -> tuple[int, int]:
-    """(OR pattern, SHIFT) of the codes as dot operands: (c | pattern) read as bf16 is 128 + c (7 mantissa
-    bits), as fp16 1024 + c; fp32 dots take the centred codes c - 2^(b-1) (SHIFT) directly."""
+def phase_magic(kind: int, bits: int, dot_dtype: str) -> tuple[int, int]:
+    """(OR pattern, SHIFT) of int codes as dot operands: (c | pattern) read as bf16 is 128 + c (7 mantissa
+    bits), as fp16 1024 + c; fp32 dots take the centred codes c - 2^(b-1) (SHIFT) directly. (0, 0) for nuq
+    (the operand is the code's level)."""
+    if kind != KIND_INT:
+        return 0, 0
     if dot_dtype == "bf16":
         return 0x4300, 128
     if dot_dtype == "fp16":
@@ -66,18 +85,54 @@ def int_magic(bits: int, dot_dtype: str) -> tuple[int, int]:
     return 0, -(1 << (bits - 1))
 
 
-def int_block(page_size: int, block_n: int | None) -> int:
+def phase_block(page_size: int, block_n: int | None) -> int:
     """Tokens per tile: whole pages, 32 unless asked (one page of the int presets; measured best)."""
     bn = max(32 if block_n is None else block_n, page_size)
     return -(-bn // page_size) * page_size
 
 
 @triton.jit
+def _levels(cb, L: tl.constexpr, DT: tl.constexpr):
+    """The L codebook levels as a tuple of scalars in the operand dtype (loaded once, kept in registers)."""
+    lev = ()
+    for i in tl.static_range(L):
+        lev = lev + (tl.load(cb + i).to(DT),)
+    return lev
+
+
+@triton.jit
+def _select(c, lev, BITS: tl.constexpr):
+    """lev[c] for codes c of BITS = 2 or 4 bits: a tree of selects, one code bit at a time (few live
+    temporaries)."""
+    b0 = (c & 1) != 0
+    b1 = (c & 2) != 0
+    x = tl.where(b1, tl.where(b0, lev[3], lev[2]), tl.where(b0, lev[1], lev[0]))
+    if BITS == 4:
+        b2 = (c & 4) != 0
+        y = tl.where(b1, tl.where(b0, lev[7], lev[6]), tl.where(b0, lev[5], lev[4]))
+        x = tl.where(b2, y, x)
+        y = tl.where(b1, tl.where(b0, lev[11], lev[10]), tl.where(b0, lev[9], lev[8]))
+        z = tl.where(b1, tl.where(b0, lev[15], lev[14]), tl.where(b0, lev[13], lev[12]))
+        x = tl.where((c & 8) != 0, tl.where(b2, z, y), x)
+    return x
+
+
+@triton.jit
 def _phase(w, I: tl.constexpr, BITS: tl.constexpr, MAGIC: tl.constexpr, SHIFT: tl.constexpr,
-           DOT_FP32: tl.constexpr, DT: tl.constexpr):
-    """Code I of every word of tile w, as dot operands equal to code + SHIFT."""
+           DOT_FP32: tl.constexpr, DT: tl.constexpr, KIND: tl.constexpr, LUT: tl.constexpr, lev, cb):
+    """Code I of every word of tile w as dot operands: int codes as code + SHIFT, nuq codes as their level
+    (LUT_SELECT: a select tree over `lev`, the levels as scalars in registers; LUT_SHUFFLE: tl.gather from
+    `lev`, the levels as a [L] tensor, a warp shuffle on the GPU; LUT_GATHER: a load per element from
+    `cb`, the float32 codebook)."""
     c = (w >> (I * BITS)) & ((1 << BITS) - 1)
-    if MAGIC != 0:
+    if KIND == 4:  # KIND_NUQ
+        if LUT == 0:
+            x = _select(c, lev, BITS)
+        elif LUT == 2:
+            x = tl.gather(tl.broadcast_to(lev[None, :], (c.shape[0], lev.shape[0])), c, 1)
+        else:
+            x = _cast(tl.load(cb + c), DOT_FP32, DT)
+    elif MAGIC != 0:
         x = (c | MAGIC).to(tl.int16).to(DT, bitcast=True)
     elif DOT_FP32:
         x = (c + SHIFT).to(tl.float32)
@@ -114,7 +169,7 @@ def _words(p, step, tok, ok, W: tl.constexpr, TRANS: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=LENGTH_ARGS)
-def _int_split_kernel(
+def _phase_split_kernel(
     Q, q_sb, q_sh,
     KC, kc_sb, kc_sh, kc_sn, KS, KZ, ks_sb, ks_sh, ks_sn, ks_sc, KCB, kcb_sh, KOI, KOV, ko_sb, ko_sh, ko_sp,
     VC, vc_sb, vc_sh, vc_sn, VS, VZ, vs_sb, vs_sh, vs_sn, vs_sc, VCB, vcb_sh, VOI, VOV, vo_sb, vo_sh, vo_sp,
@@ -124,17 +179,20 @@ def _int_split_kernel(
     M_OUT, L_OUT, ACC_OUT, SCORES, sc_sb, sc_sh,
     qk_scale,
     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-    P: tl.constexpr, BN: tl.constexpr, DBN: tl.constexpr, BITS: tl.constexpr, V_GROUP: tl.constexpr,
+    P: tl.constexpr, BN: tl.constexpr, DBN: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr,
+    V_GROUP: tl.constexpr, V_HAS_ZERO: tl.constexpr, K_NOUT: tl.constexpr, K_KCP: tl.constexpr,
+    OPB: tl.constexpr, LUT: tl.constexpr,
     HAS_LENS: tl.constexpr, HAS_STARTS: tl.constexpr, HAS_PL: tl.constexpr,
     WRITE_SCORES: tl.constexpr, DOT_FP32: tl.constexpr, DT: tl.constexpr,
     PHK: tl.constexpr, PHV: tl.constexpr, WK: tl.constexpr, WV: tl.constexpr, K_WB: tl.constexpr,
     V_WB: tl.constexpr, MAGIC: tl.constexpr, SHIFT: tl.constexpr, GQ: tl.constexpr, NGP: tl.constexpr,
 ):
     """Grid (B * Hkv, body splits + 1). Partial rows per (b, query head): one per body split, then the exact
-    parts (sinks, tail) at n_body_splits. GQ: G rounded up to a power of two; NGP: value channel groups
-    (DV / V_GROUP) rounded up so that RV = NGP * GQ >= 8 columns."""
+    parts (sinks, tail) at n_body_splits. KIND: int (3) or nuq (4); GQ: G rounded up to a power of two;
+    NGP: value channel groups (DV / V_GROUP) rounded up so that RV = NGP * GQ >= 8 columns."""
     RV: tl.constexpr = NGP * GQ
     NG: tl.constexpr = DV // V_GROUP
+    IS_INT: tl.constexpr = KIND == 3
     C: tl.constexpr = 1 << (BITS - 1)
     tl.static_assert(BN % P == 0)
     pid_bh = tl.program_id(0)
@@ -154,12 +212,15 @@ def _int_split_kernel(
                      M_OUT, L_OUT, ACC_OUT, b, h, row_first, NS, n_body_splits, qk_scale,
                      HKV, G, GP, DK, DV, DBN, WRITE_SCORES, DOT_FP32, DT)
     else:
-        kc, kc_step = _word_ptr(KC + b64 * kc_sb + h * kc_sh, kc_sn, K_WB)
+        kc_bytes = KC + b64 * kc_sb + h * kc_sh
+        kc, kc_step = _word_ptr(kc_bytes, kc_sn, K_WB)
         vc, vc_step = _word_ptr(VC + b64 * vc_sb + h * vc_sh, vc_sn, V_WB)
         ks = KS + b64 * ks_sb + h * ks_sh
         kz = KZ + b64 * ks_sb + h * ks_sh
         vs = VS + b64 * vs_sb + h * vs_sh
         vz = VZ + b64 * vs_sb + h * vs_sh
+        kcb = KCB + h * kcb_sh
+        vcb = VCB + h * vcb_sh
         pl = PL + b64 * pl_sb + h * pl_sh
         len_b, n_logical = _body_extent(LENS, b, n_body, n_sel, HAS_LENS, HAS_PL, P)
         gh = tl.arange(0, GQ)
@@ -174,6 +235,19 @@ def _int_split_kernel(
         wk = tl.arange(0, WK)
         wv = tl.arange(0, WV)
         t = tl.arange(0, BN)
+        # the query by phase, q^T [WK, GQ] each (loaded once)
+        qph = ()
+        for I in tl.static_range(PHK):
+            qph = qph + (tl.load(q_cols + (wk * PHK + I)[:, None], mask=gh_ok[None, :], other=0.0).to(tl.float32),)
+        if KIND == 4 and LUT == 0:  # nuq levels in registers
+            klev = _levels(kcb, 1 << BITS, DT)
+            vlev = _levels(vcb, 1 << BITS, DT)
+        elif KIND == 4 and LUT == 2:
+            klev = tl.load(kcb + tl.arange(0, 1 << BITS)).to(DT)
+            vlev = tl.load(vcb + tl.arange(0, 1 << BITS)).to(DT)
+        else:
+            klev = 0
+            vlev = 0
         m_i = tl.full([GQ], NEG_BIG, tl.float32)
         l_i = tl.zeros([GQ], tl.float32)
         z_acc = tl.zeros([RV], tl.float32)  # added to every channel of the column (value zeros, SHIFT)
@@ -205,15 +279,25 @@ def _int_split_kernel(
                 fix = tl.zeros([WK, GQ], tl.float32)
                 for I in tl.static_range(PHK):
                     ch = wk * PHK + I
-                    qi = tl.load(q_cols + ch[:, None], mask=gh_ok[None, :], other=0.0).to(tl.float32)  # [WK, GQ]
-                    qs = qi * tl.load(ks + kpage * ks_sn + ch).to(tl.float32)[:, None]
+                    qs = qph[I] * tl.load(ks + kpage * ks_sn + ch).to(tl.float32)[:, None]
                     qd = _cast(qs, DOT_FP32, DT)
-                    # codes enter as c + SHIFT: (SHIFT + C) comes out with the same rounded operand and C
-                    # goes back unrounded, so the operand's rounding multiplies the centred codes
-                    fix += qi * tl.load(kz + kpage * ks_sn + ch).to(tl.float32)[:, None] + C * qs \
-                        - (SHIFT + C) * qd.to(tl.float32)
-                    part = _mma(_phase(kw, I, BITS, MAGIC, SHIFT, DOT_FP32, DT), qd, part, DOT_FP32)
+                    fix += qph[I] * tl.load(kz + kpage * ks_sn + ch).to(tl.float32)[:, None]
+                    if IS_INT:
+                        # codes enter as c + SHIFT: (SHIFT + C) comes out with the same rounded operand and
+                        # C goes back unrounded, so the operand's rounding multiplies the centred codes
+                        fix += C * qs - (SHIFT + C) * qd.to(tl.float32)
+                    part = _mma(_phase(kw, I, BITS, MAGIC, SHIFT, DOT_FP32, DT, KIND, LUT, klev, kcb), qd, part,
+                                DOT_FP32)
                 sT = tl.where(((t // P) == j)[:, None], part + tl.sum(fix, 0)[None, :], sT)
+            if K_NOUT > 0:  # exact key outliers: (exact - coded) . q, one sparse one-hot dot per tile
+                r, d_o, delta, o_ok = _outlier_deltas(
+                    KOI + b64 * ko_sb + h * ko_sh, KOV + b64 * ko_sb + h * ko_sh, ko_sp, kc_bytes, kc_sn, ks, kz,
+                    ks_sn, ks_sc, kcb, pl, l0, n_logical, len_b, HAS_PL, P, BN, OPB, K_KCP, K_NOUT, KIND, BITS,
+                    2, 1, True, DK)
+                q_at = tl.load(q_cols + d_o[:, None], mask=o_ok[:, None] & gh_ok[None, :], other=0.0)
+                qd_o = q_at.to(tl.float32) * delta[:, None]  # [OPB * KCP, GQ]
+                hit = (t[:, None] == r[None, :]) & o_ok[None, :]  # [BN, OPB * KCP]
+                sT += _dot(_cast(hit.to(tl.float32), DOT_FP32, DT), _cast(qd_o, DOT_FP32, DT), DOT_FP32)
             valid = ok[:, None] & gh_ok[None, :]
             sT = tl.where(valid, sT * qk_scale, float("-inf"))
             if WRITE_SCORES:
@@ -228,16 +312,20 @@ def _int_split_kernel(
             vmask = ok[:, None] & (ng < NG)[None, :]
             aT = tl.reshape(pT[:, None, :] * tl.load(vs + voff, mask=vmask, other=0.0).to(tl.float32)[:, :, None],
                             (BN, RV))
-            zT = tl.reshape(pT[:, None, :] * tl.load(vz + voff, mask=vmask, other=0.0).to(tl.float32)[:, :, None],
-                            (BN, RV))
             ad = _cast(aT, DOT_FP32, DT)
             alpha_v = tl.reshape(tl.broadcast_to(alpha[None, :], (NGP, GQ)), (RV,))
-            z_acc = z_acc * alpha_v + tl.sum(zT + C * aT - (SHIFT + C) * ad.to(tl.float32), 0)
+            z_acc = z_acc * alpha_v
+            if V_HAS_ZERO:
+                zT = tl.reshape(pT[:, None, :] * tl.load(vz + voff, mask=vmask, other=0.0).to(tl.float32)[:, :, None],
+                                (BN, RV))
+                z_acc += tl.sum(zT, 0)
+            if IS_INT:
+                z_acc += tl.sum(C * aT - (SHIFT + C) * ad.to(tl.float32), 0)
             vw = _words(vc, vc_step, tok, ok, WV, True)  # [WV, BN]
             new = ()
             for I in tl.static_range(PHV):
-                new = new + (_mma(_phase(vw, I, BITS, MAGIC, SHIFT, DOT_FP32, DT), ad, accs[I] * alpha_v[None, :],
-                                  DOT_FP32),)
+                new = new + (_mma(_phase(vw, I, BITS, MAGIC, SHIFT, DOT_FP32, DT, KIND, LUT, vlev, vcb), ad,
+                                  accs[I] * alpha_v[None, :], DOT_FP32),)
             accs = new
             m_i = m_new
         out_g = (b * HKV * G + h * G + gh) * NS + split
