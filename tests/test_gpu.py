@@ -56,7 +56,8 @@ def compare(parts, q, page_list, tol, **kw):
     assert rel_err(got_p, want_p) <= tol, rel_err(got_p, want_p)
 
 
-CASES = [(name, LOW) for name in sorted(SPECS)] + [(name, torch.float32) for name in ("int4", "nuq4-page", "fp8")]
+CASES = [(name, LOW) for name in sorted(SPECS)] + [
+    (name, torch.float32) for name in ("int4", "nuq4-page", "nuq4-kout", "fp8")]
 
 
 @pytest.mark.parametrize("name,dtype", CASES, ids=[f"{n}-{str(d)[6:]}" for n, d in CASES])

@@ -460,7 +460,7 @@ def _num_sms(device: torch.device) -> int:
     return 4  # the interpreter: few splits keep the tests fast
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cuda_sms(index: int) -> int:
     """Multiprocessors of CUDA device `index` (asked once: the query costs host time on every decode step)."""
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -523,9 +523,9 @@ def decode_attention_triton(
     multiprocessor over all (batch, kv head) pairs), lut: how the fast kernels read nuq codebooks
     ("select": a select tree, "gather": a load per element, "shuffle": a warp shuffle from levels held in
     registers, the phase kernel only; the paged kernel reads "shuffle" as "gather"; None: measured best on
-    an H200, "shuffle" in the phase kernel, "select" in the paged one), phase_kernel: False keeps the caches that
-    decode_phase_triton reads (KIVI int2 / int4, nuq4 / nuq2 keys per page) on decode_paged_triton (to
-    compare the two).
+    an H200, "shuffle" in the phase kernel, "select" in the paged one), phase_kernel: False keeps the
+    caches that decode_phase_triton reads (KIVI int2 / int4, nuq4 / nuq2 keys per page) on
+    decode_paged_triton (to compare the two).
     """
     if lut not in (None, "select", "gather", "shuffle"):
         raise ValueError(f"lut must be 'select', 'gather' or 'shuffle', got {lut!r}")

@@ -238,7 +238,8 @@ def _phase_split_kernel(
         # the query by phase, q^T [WK, GQ] each (loaded once)
         qph = ()
         for I in tl.static_range(PHK):
-            qph = qph + (tl.load(q_cols + (wk * PHK + I)[:, None], mask=gh_ok[None, :], other=0.0).to(tl.float32),)
+            qi = tl.load(q_cols + (wk * PHK + I)[:, None], mask=gh_ok[None, :], other=0.0)
+            qph = qph + (qi.to(tl.float32),)
         if KIND == 4 and LUT == 0:  # nuq levels in registers
             klev = _levels(kcb, 1 << BITS, DT)
             vlev = _levels(vcb, 1 << BITS, DT)
@@ -286,14 +287,14 @@ def _phase_split_kernel(
                         # codes enter as c + SHIFT: (SHIFT + C) comes out with the same rounded operand and
                         # C goes back unrounded, so the operand's rounding multiplies the centred codes
                         fix += C * qs - (SHIFT + C) * qd.to(tl.float32)
-                    part = _mma(_phase(kw, I, BITS, MAGIC, SHIFT, DOT_FP32, DT, KIND, LUT, klev, kcb), qd, part,
-                                DOT_FP32)
+                    codes = _phase(kw, I, BITS, MAGIC, SHIFT, DOT_FP32, DT, KIND, LUT, klev, kcb)
+                    part = _mma(codes, qd, part, DOT_FP32)
                 sT = tl.where(((t // P) == j)[:, None], part + tl.sum(fix, 0)[None, :], sT)
             if K_NOUT > 0:  # exact key outliers: (exact - coded) . q, one sparse one-hot dot per tile
                 r, d_o, delta, o_ok = _outlier_deltas(
-                    KOI + b64 * ko_sb + h * ko_sh, KOV + b64 * ko_sb + h * ko_sh, ko_sp, kc_bytes, kc_sn, ks, kz,
-                    ks_sn, ks_sc, kcb, pl, l0, n_logical, len_b, HAS_PL, P, BN, OPB, K_KCP, K_NOUT, KIND, BITS,
-                    2, 1, True, DK)
+                    KOI + b64 * ko_sb + h * ko_sh, KOV + b64 * ko_sb + h * ko_sh, ko_sp, kc_bytes, kc_sn, ks,
+                    kz, ks_sn, ks_sc, kcb, pl, l0, n_logical, len_b, HAS_PL, P, BN, OPB, K_KCP, K_NOUT, KIND,
+                    BITS, 2, 1, True, DK)
                 q_at = tl.load(q_cols + d_o[:, None], mask=o_ok[:, None] & gh_ok[None, :], other=0.0)
                 qd_o = q_at.to(tl.float32) * delta[:, None]  # [OPB * KCP, GQ]
                 hit = (t[:, None] == r[None, :]) & o_ok[None, :]  # [BN, OPB * KCP]
@@ -310,14 +311,14 @@ def _phase_split_kernel(
             # -- values: column (group, head) of a^T = p times the group's per-token scale
             voff = tok[:, None] * vs_sn + ng[None, :]
             vmask = ok[:, None] & (ng < NG)[None, :]
-            aT = tl.reshape(pT[:, None, :] * tl.load(vs + voff, mask=vmask, other=0.0).to(tl.float32)[:, :, None],
-                            (BN, RV))
+            v_scale = tl.load(vs + voff, mask=vmask, other=0.0).to(tl.float32)
+            aT = tl.reshape(pT[:, None, :] * v_scale[:, :, None], (BN, RV))
             ad = _cast(aT, DOT_FP32, DT)
             alpha_v = tl.reshape(tl.broadcast_to(alpha[None, :], (NGP, GQ)), (RV,))
             z_acc = z_acc * alpha_v
             if V_HAS_ZERO:
-                zT = tl.reshape(pT[:, None, :] * tl.load(vz + voff, mask=vmask, other=0.0).to(tl.float32)[:, :, None],
-                                (BN, RV))
+                v_zero = tl.load(vz + voff, mask=vmask, other=0.0).to(tl.float32)
+                zT = tl.reshape(pT[:, None, :] * v_zero[:, :, None], (BN, RV))
                 z_acc += tl.sum(zT, 0)
             if IS_INT:
                 z_acc += tl.sum(C * aT - (SHIFT + C) * ad.to(tl.float32), 0)
