@@ -275,6 +275,33 @@ def test_phase_kernel_is_used_and_equals_the_others(name, d, lut, monkeypatch):
 
 
 @needs_triton
+@pytest.mark.parametrize("lut", ["select", "gather", "shuffle"])
+def test_phase_kernel_per_head_codebooks(lut):
+    """Calibrated codebooks, one per kv head ([H, 16], different for keys and values): the phase kernel
+    reads each head's own levels."""
+    from kvcompress.kernels import decode_phase_triton as phase
+    from kvcompress.kernels.streams import stream_args
+
+    g = torch.Generator().manual_seed(50)
+    b, hkv, d, page, n = 2, 2, 64, 16, 64
+    streams = []
+    for s, spec in enumerate(SPECS["nuq4-kout"]):
+        levels = torch.sort(torch.randn(hkv, 16, generator=g) * (1 + s), dim=-1).values
+        codec = make_codec(spec, page_size=page, head_dim=d, num_heads=hkv, dtype=torch.float32,
+                           tensors={"codebook": levels}, seed=s)
+        x = torch.randn(b, hkv, n, d, generator=g)
+        row = codec.prepare(x)
+        streams.append(PackedStream(codec, codec.encode(x, row), row, n))
+    k, v = (stream_args(st.codec, st.data, st.row) for st in streams)
+    assert k.codebook_head_stride == 16 and phase.phase_supported(k, v, d, d)
+    tails = [torch.randn(b, hkv, t, d, generator=g) for t in (2, 2, 5, 5)]
+    parts = AttentionParts(streams[0], streams[1], *tails, torch.tensor([64, 41], dtype=torch.int32))
+    q = torch.randn(b, 3 * hkv, d, generator=g)
+    check_triton(parts, q, block_n=None, lut=lut)
+    check_triton(parts, q, random_page_list(b, hkv, 4, 3, seed=51), block_n=None, lut=lut)
+
+
+@needs_triton
 def test_triton_gqa1_blocks_span_pages():
     """GQA 1 (multi-head), several pages per block (outliers of two pages in one block), no sinks/lengths."""
     parts = make_parts("nuq3", b=1, hkv=3, d=64, pages=4, page=16, sinks=0, tail=1, seed=13)
