@@ -14,8 +14,8 @@ steps (which must cover a page being filled and encoded, so that no kernel compi
 
 Each cache runs in its own fresh process by default (--in-process runs both in this one): measured on
 an H200 (BENCHMARKS.md), a nuq4 step took 42.7 ms when it ran first in a process and 91-117 ms when it
-ran after the DynamicCache run, while the DynamicCache step did not depend on the order; one process per
-cache removes that dependence on what ran before.
+ran after the DynamicCache run (the DynamicCache step moved less: 60-74 ms); one process per cache
+removes that dependence on what ran before.
 
 Longest context at this batch: the peak memory (torch.cuda.max_memory_allocated over prefill + decode)
 is measured at two prompt lengths, L/2 and L; it is linear in the length, peak(n) = a + b*n, and the

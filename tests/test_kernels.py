@@ -2,10 +2,10 @@
 SDPA), and the Triton kernels against the torch twin on the same packed data (Triton's interpreter on CPU).
 
 What is proved: the fused kernel reads every codec's packed layout as the codec's own `decode` does
-(int 2/3/4/8 with per-page-channel and per-token-group scales, nuq 2/3/4 with outliers and rotation,
-2/4-bit keys per page through their own kernel, fp8
-e4m3/e5m2), merges sinks and tail, honours GQA groups, ragged batches and Quest page lists, and returns
-the H2O probabilities; float32 relative error <= 1e-3 in every case.
+(int 2/3/4/8 with per-page-channel and per-token-group scales, nuq 2/3/4 with outliers and rotation, fp8
+e4m3/e5m2; 2- and 4-bit keys per page through a kernel of their own), merges sinks and tail, honours GQA
+groups, ragged batches and Quest page lists, and returns the H2O probabilities; float32 relative error
+<= 1e-3 in every case.
 """
 
 from __future__ import annotations
@@ -236,10 +236,10 @@ def test_triton_left_padding(name):
 
 
 @needs_triton
-@pytest.mark.parametrize("name,d,lut", [("int4", 128, "select"), ("int4", 64, "select"), ("int2", 128, "select"),
-                                        ("int2", 64, "select"), ("int4-vtok", 128, "select"),
-                                        ("nuq4-kout", 128, "select"), ("nuq4-kout", 64, "gather"), ("nuq4-kout", 64, "shuffle"),
-                                        ("nuq2-page", 64, "select")])
+@pytest.mark.parametrize("name,d,lut", [
+    ("int4", 128, "select"), ("int4", 64, "select"), ("int2", 128, "select"), ("int2", 64, "select"),
+    ("int4-vtok", 128, "select"), ("nuq4-kout", 128, "select"), ("nuq4-kout", 64, "gather"),
+    ("nuq4-kout", 64, "shuffle"), ("nuq2-page", 64, "select")])
 def test_phase_kernel_is_used_and_equals_the_others(name, d, lut, monkeypatch):
     """2/4-bit caches with keys per page (KIVI int, the nuq presets' layout with key outliers) go through
     decode_phase_triton (a spy on its launch says so; int8 / int3 / nuq3 / per-channel nuq keys do not); on
