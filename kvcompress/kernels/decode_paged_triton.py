@@ -138,21 +138,37 @@ def _load_words(ptr, sn, tok2, ok2, WB: tl.constexpr, NW: tl.constexpr):
 
 
 @triton.jit
+def _levels(cb, L: tl.constexpr, DT: tl.constexpr):
+    """The L codebook levels as a tuple of scalars in the operand dtype (loaded once, kept in registers)."""
+    lev = ()
+    for i in tl.static_range(L):
+        lev = lev + (tl.load(cb + i).to(DT),)
+    return lev
+
+
+@triton.jit
+def _select(c, lev, BITS: tl.constexpr):
+    """lev[c] for codes c of BITS = 2 or 4 bits: a tree of selects, one code bit at a time (few live
+    temporaries)."""
+    b0 = (c & 1) != 0
+    b1 = (c & 2) != 0
+    x = tl.where(b1, tl.where(b0, lev[3], lev[2]), tl.where(b0, lev[1], lev[0]))
+    if BITS == 4:
+        b2 = (c & 4) != 0
+        y = tl.where(b1, tl.where(b0, lev[7], lev[6]), tl.where(b0, lev[5], lev[4]))
+        x = tl.where(b2, y, x)
+        y = tl.where(b1, tl.where(b0, lev[11], lev[10]), tl.where(b0, lev[9], lev[8]))
+        z = tl.where(b1, tl.where(b0, lev[15], lev[14]), tl.where(b0, lev[13], lev[12]))
+        x = tl.where((c & 8) != 0, tl.where(b2, z, y), x)
+    return x
+
+
+@triton.jit
 def _lut(c, cb, KIND: tl.constexpr, BITS: tl.constexpr, SELECT: tl.constexpr):
     """value(code) float32: for nuq with SELECT, a tree of selects over the 2^BITS levels held in
-    registers (no per-element load), one code bit at a time so few temporaries are live; otherwise
-    `_value_of` (a gather from the codebook for nuq)."""
+    registers (no per-element load); otherwise `_value_of` (a gather from the codebook for nuq)."""
     if KIND == 4 and SELECT and BITS <= 4:
-        b0 = (c & 1) != 0
-        b1 = (c & 2) != 0
-        x = tl.where(b1, tl.where(b0, tl.load(cb + 3), tl.load(cb + 2)), tl.where(b0, tl.load(cb + 1), tl.load(cb + 0)))
-        if BITS == 4:
-            b2 = (c & 4) != 0
-            y = tl.where(b1, tl.where(b0, tl.load(cb + 7), tl.load(cb + 6)), tl.where(b0, tl.load(cb + 5), tl.load(cb + 4)))
-            x = tl.where(b2, y, x)
-            y = tl.where(b1, tl.where(b0, tl.load(cb + 11), tl.load(cb + 10)), tl.where(b0, tl.load(cb + 9), tl.load(cb + 8)))
-            z = tl.where(b1, tl.where(b0, tl.load(cb + 15), tl.load(cb + 14)), tl.where(b0, tl.load(cb + 13), tl.load(cb + 12)))
-            x = tl.where((c & 8) != 0, tl.where(b2, z, y), x)
+        x = _select(c, _levels(cb, 1 << BITS, tl.float32), BITS)
     else:
         x = _value_of(c, cb, KIND)
     return x

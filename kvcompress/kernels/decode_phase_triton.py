@@ -41,7 +41,7 @@ from kvcompress.kernels.decode_attention_triton import (
     _exact_split,
     _outlier_deltas,
 )
-from kvcompress.kernels.decode_paged_triton import _mma, word_bits
+from kvcompress.kernels.decode_paged_triton import _levels, _mma, _select, word_bits
 from kvcompress.kernels.streams import KIND_INT, KIND_NUQ, SCALE_PAGE, SCALE_TOKEN, StreamArgs
 
 LUT_SELECT, LUT_GATHER, LUT_SHUFFLE = 0, 1, 2
@@ -89,32 +89,6 @@ def phase_block(page_size: int, block_n: int | None) -> int:
     """Tokens per tile: whole pages, 32 unless asked (one page of the int presets; measured best)."""
     bn = max(32 if block_n is None else block_n, page_size)
     return -(-bn // page_size) * page_size
-
-
-@triton.jit
-def _levels(cb, L: tl.constexpr, DT: tl.constexpr):
-    """The L codebook levels as a tuple of scalars in the operand dtype (loaded once, kept in registers)."""
-    lev = ()
-    for i in tl.static_range(L):
-        lev = lev + (tl.load(cb + i).to(DT),)
-    return lev
-
-
-@triton.jit
-def _select(c, lev, BITS: tl.constexpr):
-    """lev[c] for codes c of BITS = 2 or 4 bits: a tree of selects, one code bit at a time (few live
-    temporaries)."""
-    b0 = (c & 1) != 0
-    b1 = (c & 2) != 0
-    x = tl.where(b1, tl.where(b0, lev[3], lev[2]), tl.where(b0, lev[1], lev[0]))
-    if BITS == 4:
-        b2 = (c & 4) != 0
-        y = tl.where(b1, tl.where(b0, lev[7], lev[6]), tl.where(b0, lev[5], lev[4]))
-        x = tl.where(b2, y, x)
-        y = tl.where(b1, tl.where(b0, lev[11], lev[10]), tl.where(b0, lev[9], lev[8]))
-        z = tl.where(b1, tl.where(b0, lev[15], lev[14]), tl.where(b0, lev[13], lev[12]))
-        x = tl.where((c & 8) != 0, tl.where(b2, z, y), x)
-    return x
 
 
 @triton.jit
