@@ -267,10 +267,13 @@ def run(contexts, batches, n_iter, configs, methods) -> list[dict]:
 
 
 def quest_summaries(b: int, n_pages: int, page: int):
-    """Per-page min / max keys [B, Hkv, n_pages, D] float32, as the Quest policy holds them."""
+    """Per-page min / max keys [B, Hkv, n_pages, D] in bfloat16 rounded outward, as the Quest policy holds
+    them."""
+    from kvcompress.sparse.state import bf16_outward
+
     mid = torch.randn(b, HKV, n_pages, D, device="cuda")
     half = torch.rand(b, HKV, n_pages, D, device="cuda")
-    return mid - half, mid + half
+    return bf16_outward(mid - half, down=True), bf16_outward(mid + half, down=False)
 
 
 def append_ms(method: str, b: int, n_iter: int) -> dict:

@@ -12,10 +12,10 @@ Per cache: the prompt is prefilled in chunks of --chunk tokens (logits of the la
 [B, chunk, vocab] tensor), then --steps greedy decode steps are timed with CUDA events after --warmup
 steps (which must cover a page being filled and encoded, so that no kernel compiles inside the timing). Tokens/s = batch * steps / time.
 
-Each cache runs in its own fresh process by default (--in-process runs both in this one): measured on
-an H200 (BENCHMARKS.md), a nuq4 step took 42.7 ms when it ran first in a process and 91-117 ms when it
-ran after the DynamicCache run (the DynamicCache step moved less: 60-74 ms); one process per cache
-removes that dependence on what ran before.
+Each cache runs in its own fresh process by default (--in-process runs both in this one). At batch 8
+and 32K tokens both decode steps are bound by the host (eager transformers: about 1,050 launches per
+step), and on an H200 the host time of the same step varied up to twofold between runs (BENCHMARKS.md);
+--profile N prints how long the device was busy per step, which does not depend on the host.
 
 Longest context at this batch: the peak memory (torch.cuda.max_memory_allocated over prefill + decode)
 is measured at two prompt lengths, L/2 and L; it is linear in the length, peak(n) = a + b*n, and the
@@ -157,6 +157,8 @@ def profile_steps(model, token, cache, steps: int, kind: str) -> None:
     with profile(activities=acts) as prof:
         decode(model, token, cache, steps)
         sync(token.device)
+    busy = sum(e.self_device_time_total for e in prof.key_averages()) / 1e3 / steps
+    print(f"--- {kind}: the device was busy {busy:.1f} ms per decode step (sum of kernel times)")
     for key in (["cuda_time_total"] if torch.cuda.is_available() else []) + ["self_cpu_time_total"]:
         print(f"--- {kind}: {steps} decode steps, top ops by {key}")
         print(prof.key_averages().table(sort_by=key, row_limit=18, max_name_column_width=60))

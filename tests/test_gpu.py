@@ -128,6 +128,38 @@ def test_quest_scores():
         assert rel_err(got, want) < 1e-5
 
 
+def test_quest_mass_and_selection():
+    """The fused softmax + group sum at Llama-8B size (4096 pages, bfloat16 summaries), with ragged valid
+    prefixes, and the selection it drives equal to the torch backend's."""
+    from kvcompress.kernels.quest import (
+        quest_page_mass_torch,
+        quest_page_mass_triton,
+        quest_page_scores,
+        quest_select_pages,
+    )
+    from kvcompress.sparse.state import bf16_outward
+
+    g = torch.Generator().manual_seed(29)
+    logits = (torch.randn(4, 32, 4096, generator=g) * 6).to(DEV)
+    valid = (torch.arange(4096) < torch.tensor([4096, 4000, 17, 1]).view(4, 1, 1)).to(DEV)
+    for v in (None, valid):
+        want, got = quest_page_mass_torch(logits, 8, v, 0.088), quest_page_mass_triton(logits, 8, v, 0.088)
+        finite = torch.isfinite(want)
+        assert torch.equal(finite, torch.isfinite(got)) and rel_err(got[finite], want[finite]) < 1e-5
+    mid = torch.randn(4, 8, 4096, 128, generator=g).to(DEV)
+    lo, hi = bf16_outward(mid - 0.5, down=True), bf16_outward(mid + 0.5, down=False)
+    q = torch.randn(4, 32, 128, generator=g).to(DEV, torch.bfloat16)
+    n_valid = torch.tensor([4096, 4000, 17, 1], device=DEV)
+    picks = [quest_select_pages(q, lo, hi, 64, n_valid, scaling=0.088, radius_scale=0.25, backend=be)
+             for be in ("torch", "triton")]
+    mass = quest_page_scores(q, lo, hi, scaling=0.088, radius_scale=0.25, backend="torch")
+    # the same number of pages per row, and the same mass (near-ties may swap pages)
+    got = [(p >= 0).sum(-1) for p in picks]
+    assert torch.equal(got[0], got[1]) and torch.equal(got[0][:, 0], n_valid.clamp(max=64))
+    sums = [mass.gather(2, p.long().clamp(min=0)).masked_fill(p < 0, 0).sum(-1) for p in picks]
+    assert rel_err(sums[1], sums[0]) < 1e-4
+
+
 def test_mla_kernel_deepseek_size():
     """128 heads over a 4096-token latent of 512 (+64 RoPE), 4-bit codes with outliers and fp8 k_rot."""
     from test_mla import _packed_latent

@@ -365,6 +365,28 @@ def test_quest_triton_matches_torch():
         assert rel_err(got, want) < 1e-6
 
 
+@needs_triton
+@pytest.mark.parametrize("g,hkv,n_pages", [(3, 2, 37), (8, 1, 600)])
+def test_quest_mass_triton_matches_torch(g, hkv, n_pages):
+    """The fused softmax + group sum equals the torch ops: every page valid, a row with no valid page
+    (zeros then -inf), ragged valid prefixes per row, and a mask shared by the kv heads ([B, 1, n]); rows
+    held in registers (the default up to 4096 pages) and rows looped over in blocks."""
+    from kvcompress.kernels.quest import quest_page_mass_torch, quest_page_mass_triton
+    from kvcompress.kernels.quest_triton import quest_mass
+
+    gen = torch.Generator().manual_seed(n_pages)
+    logits = torch.randn(3, hkv * g, n_pages, generator=gen) * 8
+    n_valid = torch.tensor([n_pages, n_pages // 3, 0])
+    ragged = torch.arange(n_pages) < n_valid.view(3, 1, 1)  # [B, 1, n]
+    for valid in (None, ragged, ragged.expand(-1, hkv, -1)):
+        want = quest_page_mass_torch(logits, hkv, valid, scaling=0.125)
+        finite = torch.isfinite(want)
+        for got in (quest_page_mass_triton(logits, hkv, valid, scaling=0.125),
+                    quest_mass(logits, hkv, valid, 0.125, one_block=16, block_pages=64)):
+            assert torch.equal(torch.isinf(got), torch.isinf(want))
+            assert rel_err(got[finite], want[finite]) < 1e-6
+
+
 # -- dispatch -------------------------------------------------------------------------------------------
 def test_select_backend(monkeypatch):
     monkeypatch.setenv("KVCOMPRESS_KERNELS", "torch")

@@ -24,7 +24,7 @@ from kvcompress import (
 )
 from kvcompress.compat import with_cache
 from kvcompress.sparse.quest import head_logits, page_bounds, page_scores
-from kvcompress.sparse.state import StepInputs
+from kvcompress.sparse.state import StepInputs, bf16_outward
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -98,6 +98,22 @@ def test_h2o_keeps_top_accumulated_attention_plus_recent(model):
         assert layer.held_tokens == budget
 
 
+def test_bf16_outward_rounding_is_the_nearest_bound():
+    """Quest's bfloat16 page summaries: the min rounds down and the max up, by at most one bfloat16 step
+    (exact values unchanged), across magnitudes, signs, zeros and subnormals."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(20000, generator=gen) * 10.0 ** torch.randint(-8, 8, (20000,), generator=gen).float()
+    x = torch.cat([x, torch.tensor([0.0, -0.0, 1.0, -1.5, 1e-40, -1e-40]),
+                   torch.randn(500, generator=gen).to(torch.bfloat16).float()])
+    for down, toward in ((True, float("inf")), (False, float("-inf"))):
+        r = bf16_outward(x, down)
+        assert r.dtype == torch.bfloat16
+        assert bool((r.float() <= x).all() if down else (r.float() >= x).all()), "not a bound"
+        step = torch.nextafter(r, torch.full_like(r, toward)).float()  # one bfloat16 step back toward x
+        nearest = ((step > x) if down else (step < x)) | (r.float() == x)
+        assert bool(nearest.all()), "not the nearest"
+
+
 def test_quest_bounds_contain_keys_and_top_pages_are_read(model):
     page, t = 8, 45
     ids = torch.randint(3, 256, (1, t), generator=torch.Generator().manual_seed(2))
@@ -112,7 +128,7 @@ def test_quest_bounds_contain_keys_and_top_pages_are_read(model):
         keys = layer.keys  # [B, H, T, D] after RoPE, full precision (nothing evicted)
         n_pages = t // page
         pages = keys[:, :, : n_pages * page].reshape(1, keys.shape[1], n_pages, page, -1)
-        assert state.page_min.shape[2] == n_pages
+        assert state.page_min.shape[2] == n_pages and state.page_min.dtype == torch.bfloat16
         assert bool((pages >= state.page_min[:, :, :, None]).all())
         assert bool((pages <= state.page_max[:, :, :, None]).all())
         # the bound is an upper bound of q.k for every key of the page and every query head of the group

@@ -8,9 +8,10 @@ A page's score for a kv head is the softmax of its logits over the pages (scaled
 logits) per query head, summed over the head's GQA group: an estimate of the attention mass it gets.
 
 `quest_page_logits_torch` / `quest_page_logits_triton` share one signature (the logits, one program per
-(batch, kv head, block of pages) reading each page summary once for the whole group); `quest_page_scores`
-adds the softmax and the group sum, `quest_select_pages` the top-k (torch ops on either backend: a few
-small launches).
+(batch, kv head, block of pages) reading each page summary once for the whole group), and so do
+`quest_page_mass_torch` / `quest_page_mass_triton` (the softmax per query head and the group sum: one
+program per (batch, kv head) instead of about six torch launches); `quest_page_scores` chains the two,
+`quest_select_pages` adds the top-k (torch ops on either backend).
 """
 
 from __future__ import annotations
@@ -41,6 +42,29 @@ def quest_page_logits_triton(
     return quest_logits(q, page_min, page_max, radius_scale)
 
 
+def quest_page_mass_torch(
+    logits: torch.Tensor, hkv: int, valid: torch.Tensor | None = None, scaling: float = 1.0
+) -> torch.Tensor:
+    """logits [B, Hq, n_pages] -> the group's summed softmax over the valid pages [B, Hkv, n_pages] float32,
+    -inf on pages that are not `valid` ([B, Hkv|1, n_pages] bool; None: all); a row with no valid page
+    sums to nothing (zeros before the -inf)."""
+    b, hq, n_pages = logits.shape
+    logits = logits.float().view(b, hkv, hq // hkv, n_pages) * scaling
+    if valid is not None:
+        logits = logits.masked_fill(~valid[:, :, None], float("-inf"))
+    mass = torch.softmax(logits, dim=-1).nan_to_num(0.0).sum(2)
+    return mass if valid is None else mass.masked_fill(~valid, float("-inf"))
+
+
+def quest_page_mass_triton(
+    logits: torch.Tensor, hkv: int, valid: torch.Tensor | None = None, scaling: float = 1.0
+) -> torch.Tensor:
+    """Same as `quest_page_mass_torch`, in one launch (the torch ops are about six)."""
+    from kvcompress.kernels.quest_triton import quest_mass
+
+    return quest_mass(logits, hkv, valid, scaling)
+
+
 def quest_page_scores(
     q: torch.Tensor,
     page_min: torch.Tensor,
@@ -56,14 +80,12 @@ def quest_page_scores(
     from kvcompress.kernels.backend import select_backend
 
     backend = backend or select_backend(q.device)
-    fn = quest_page_logits_triton if backend == "triton" else quest_page_logits_torch
-    b, hq, _ = q.shape
-    hkv, n_pages = page_min.shape[1], page_min.shape[2]
-    logits = fn(q, page_min, page_max, radius_scale).view(b, hkv, hq // hkv, n_pages) * scaling
-    if valid is not None:
-        logits = logits.masked_fill(~valid[:, :, None], float("-inf"))
-    mass = torch.softmax(logits, dim=-1).nan_to_num(0.0).sum(2)  # a row with no valid page: all zeros
-    return mass if valid is None else mass.masked_fill(~valid, float("-inf"))
+    if backend == "triton":
+        logits_fn, mass_fn = quest_page_logits_triton, quest_page_mass_triton
+    else:
+        logits_fn, mass_fn = quest_page_logits_torch, quest_page_mass_torch
+    logits = logits_fn(q, page_min, page_max, radius_scale)  # [B, Hq, n_pages]
+    return mass_fn(logits, page_min.shape[1], valid, scaling)
 
 
 def quest_select_pages(
@@ -88,7 +110,7 @@ def quest_select_pages(
     scores = quest_page_scores(q, page_min, page_max, valid, scaling=scaling, radius_scale=radius_scale,
                                backend=backend)
     k = min(k, n_pages)
-    top = scores.topk(k, dim=-1)
+    top = scores.topk(k, dim=-1, sorted=False)  # the pages are sorted by index below
     pages = torch.where(torch.isfinite(top.values), top.indices, torch.full_like(top.indices, -1))
     ordered = torch.where(pages < 0, torch.full_like(pages, n_pages), pages).sort(-1).values  # -1 entries last
     return ordered.masked_fill(ordered >= n_pages, -1).to(torch.int32)

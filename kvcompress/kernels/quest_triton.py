@@ -1,4 +1,5 @@
-"""Triton twin of `quest_page_logits_torch` (imports Triton; loaded only when asked)."""
+"""Triton twins of `quest_page_logits_torch` and `quest_page_mass_torch` (imports Triton; loaded only when
+asked)."""
 
 from __future__ import annotations
 
@@ -44,5 +45,84 @@ def quest_logits(q, page_min, page_max, radius_scale: float = 1.0, block_pages: 
         q, q.stride(0), q.stride(1), page_min, page_max, page_min.stride(0), page_min.stride(1), page_min.stride(2),
         out, out.stride(0), out.stride(1), n_pages, float(radius_scale),
         HKV=hkv, G=hq // hkv, D=d, BP=block_pages,
+    )
+    return out
+
+
+@triton.jit(do_not_specialize=("n_pages",))
+def _quest_mass_kernel(L, l_sb, l_sh, VALID, v_sb, v_sh, OUT, o_sb, o_sh, n_pages, scaling,
+                       HKV: tl.constexpr, G: tl.constexpr, BP: tl.constexpr, HAS_VALID: tl.constexpr,
+                       ONE_BLOCK: tl.constexpr):
+    """One (batch, kv head). ONE_BLOCK (n_pages <= BP): each query head's logits are read once and held in
+    registers, its softmax added to the group's sum. Otherwise, per query head a pass for the softmax's
+    max and sum (online), then one pass writing the group's summed softmax. -inf on pages not valid."""
+    pid_bh = tl.program_id(0)
+    b = pid_bh // HKV
+    h = pid_bh % HKV
+    rows = L + b.to(tl.int64) * l_sb + (h * G) * l_sh
+    valid_row = VALID + b.to(tl.int64) * v_sb + h * v_sh
+    out = OUT + b.to(tl.int64) * o_sb + h * o_sh
+    offs = tl.arange(0, BP)
+    if ONE_BLOCK:
+        ok = offs < n_pages
+        if HAS_VALID:
+            ok = ok & (tl.load(valid_row + offs, mask=ok, other=0) != 0)
+        mass = tl.zeros([BP], tl.float32)
+        for g in tl.static_range(G):
+            x = tl.load(rows + g * l_sh + offs, mask=ok, other=float("-inf")) * scaling
+            e = tl.where(ok, tl.exp(x - tl.max(x, 0)), 0.0)
+            mass += e / tl.maximum(tl.sum(e, 0), 1e-30)
+        tl.store(out + offs, tl.where(ok, mass, float("-inf")), mask=offs < n_pages)
+    else:
+        ms = ()
+        ss = ()
+        for g in tl.static_range(G):
+            m = tl.full([BP], float("-inf"), tl.float32)
+            acc = tl.zeros([BP], tl.float32)
+            for p0 in range(0, n_pages, BP):
+                pages = p0 + offs
+                ok = pages < n_pages
+                if HAS_VALID:
+                    ok = ok & (tl.load(valid_row + pages, mask=ok, other=0) != 0)
+                x = tl.load(rows + g * l_sh + pages, mask=ok, other=float("-inf")) * scaling
+                m_new = tl.maximum(m, x)
+                acc = acc * tl.where(m_new == float("-inf"), 0.0, tl.exp(m - m_new)) + tl.where(
+                    x == float("-inf"), 0.0, tl.exp(x - m_new))
+                m = m_new
+            m_row = tl.max(m, 0)
+            ms = ms + (m_row,)
+            ss = ss + (tl.sum(acc * tl.where(m == float("-inf"), 0.0, tl.exp(m - m_row)), 0),)
+        for p0 in range(0, n_pages, BP):
+            pages = p0 + offs
+            ok = pages < n_pages
+            if HAS_VALID:
+                ok = ok & (tl.load(valid_row + pages, mask=ok, other=0) != 0)
+            mass = tl.zeros([BP], tl.float32)
+            for g in tl.static_range(G):
+                x = tl.load(rows + g * l_sh + pages, mask=ok, other=float("-inf")) * scaling
+                mass += tl.where(x == float("-inf"), 0.0, tl.exp(x - ms[g]) / tl.maximum(ss[g], 1e-30))
+            tl.store(out + pages, tl.where(ok, mass, float("-inf")), mask=pages < n_pages)
+
+
+def quest_mass(logits, hkv: int, valid=None, scaling: float = 1.0, one_block: int = 4096, block_pages: int = 1024):
+    """Up to `one_block` pages a row is held in registers (one block size, so the kernel compiles once as
+    the context grows); longer rows loop over blocks of `block_pages`. Measured on an H200 (BENCHMARKS.md):
+    the looping form alone took 32 us at 4096 pages x 64 rows, where torch's ops took about 17."""
+    b, hq, n_pages = logits.shape
+    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    out = torch.empty(b, hkv, n_pages, device=logits.device, dtype=torch.float32)
+    if valid is not None:
+        valid = valid.expand(b, hkv, n_pages)
+        if valid.stride(-1) != 1:
+            valid = valid.contiguous()
+        valid = valid.to(torch.uint8) if valid.dtype == torch.bool else valid
+        v_args = (valid, valid.stride(0), valid.stride(1))
+    else:
+        v_args = (logits, 0, 0)
+    one = n_pages <= one_block
+    _quest_mass_kernel[(b * hkv,)](
+        logits, logits.stride(0), logits.stride(1), *v_args, out, out.stride(0), out.stride(1), n_pages,
+        float(scaling), HKV=hkv, G=hq // hkv, BP=one_block if one else block_pages, HAS_VALID=valid is not None,
+        ONE_BLOCK=one, num_warps=8,
     )
     return out
