@@ -49,6 +49,15 @@ def quest_logits(q, page_min, page_max, radius_scale: float = 1.0, block_pages: 
     return out
 
 
+@triton.jit
+def _page_ok(valid_row, pages, n_pages, HAS_VALID: tl.constexpr):
+    """Which of `pages` exist and are valid (VALID [n_pages] uint8 row, when given)."""
+    ok = pages < n_pages
+    if HAS_VALID:
+        ok = ok & (tl.load(valid_row + pages, mask=ok, other=0) != 0)
+    return ok
+
+
 @triton.jit(do_not_specialize=("n_pages",))
 def _quest_mass_kernel(L, l_sb, l_sh, VALID, v_sb, v_sh, OUT, o_sb, o_sh, n_pages, scaling,
                        HKV: tl.constexpr, G: tl.constexpr, BP: tl.constexpr, HAS_VALID: tl.constexpr,
@@ -64,9 +73,7 @@ def _quest_mass_kernel(L, l_sb, l_sh, VALID, v_sb, v_sh, OUT, o_sb, o_sh, n_page
     out = OUT + b.to(tl.int64) * o_sb + h * o_sh
     offs = tl.arange(0, BP)
     if ONE_BLOCK:
-        ok = offs < n_pages
-        if HAS_VALID:
-            ok = ok & (tl.load(valid_row + offs, mask=ok, other=0) != 0)
+        ok = _page_ok(valid_row, offs, n_pages, HAS_VALID)
         mass = tl.zeros([BP], tl.float32)
         for g in tl.static_range(G):
             x = tl.load(rows + g * l_sh + offs, mask=ok, other=float("-inf")) * scaling
@@ -81,9 +88,7 @@ def _quest_mass_kernel(L, l_sb, l_sh, VALID, v_sb, v_sh, OUT, o_sb, o_sh, n_page
             acc = tl.zeros([BP], tl.float32)
             for p0 in range(0, n_pages, BP):
                 pages = p0 + offs
-                ok = pages < n_pages
-                if HAS_VALID:
-                    ok = ok & (tl.load(valid_row + pages, mask=ok, other=0) != 0)
+                ok = _page_ok(valid_row, pages, n_pages, HAS_VALID)
                 x = tl.load(rows + g * l_sh + pages, mask=ok, other=float("-inf")) * scaling
                 m_new = tl.maximum(m, x)
                 acc = acc * tl.where(m_new == float("-inf"), 0.0, tl.exp(m - m_new)) + tl.where(
@@ -94,9 +99,7 @@ def _quest_mass_kernel(L, l_sb, l_sh, VALID, v_sb, v_sh, OUT, o_sb, o_sh, n_page
             ss = ss + (tl.sum(acc * tl.where(m == float("-inf"), 0.0, tl.exp(m - m_row)), 0),)
         for p0 in range(0, n_pages, BP):
             pages = p0 + offs
-            ok = pages < n_pages
-            if HAS_VALID:
-                ok = ok & (tl.load(valid_row + pages, mask=ok, other=0) != 0)
+            ok = _page_ok(valid_row, pages, n_pages, HAS_VALID)
             mass = tl.zeros([BP], tl.float32)
             for g in tl.static_range(G):
                 x = tl.load(rows + g * l_sh + pages, mask=ok, other=float("-inf")) * scaling
