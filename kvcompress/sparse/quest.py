@@ -2,9 +2,8 @@
 
 Nothing is evicted. Keys are grouped in pages of `page_size` tokens, each summarised by its
 per-channel min and max key (bfloat16 rounded outward, from the full-precision keys as the page
-completes). At each
-decode step a page's bound for one query head is the upper bound of q.k over its keys,
-sum_i max(q_i*min_i, q_i*max_i); the attention reads the first real page (it holds the attention
+completes). At each decode step a page's bound for one query head is the upper bound of q.k over its
+keys, sum_i max(q_i*min_i, q_i*max_i); the attention reads the first real page (it holds the attention
 sinks), the newest page (the one holding the current token) and the top pages by score within the
 token budget. Prefill is dense, and so are the first `dense_layers` layers (their inputs matter most).
 
