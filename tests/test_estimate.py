@@ -60,9 +60,9 @@ def test_deepseek_v3_mla_latent(tmp_path):
 def test_preset_bits_come_from_the_codecs():
     layout = ModelLayout("llama", 4, 2, 64, 64, ("full_attention",) * 4)
     r = estimate_memory(layout, KVCompressConfig.from_preset("fp8", layout), 4096, 2, torch.bfloat16)
-    # fp8 codes + one fp16 scale per token and head, for the 4048 tokens in pages of 16; the 4 sinks and the
-    # 32-token window + 12 tokens of the partly filled page stay in bf16
-    assert r["bits_per_element"] == pytest.approx((4048 * (8 + 16 / 64) + 48 * 16) / 4096)
+    # fp8 codes + one fp16 scale per token and head, for the 4016 tokens in pages of 16; the 4 sinks and the
+    # 64-token window + 12 tokens of the partly filled page stay in bf16
+    assert r["bits_per_element"] == pytest.approx((4016 * (8 + 16 / 64) + 80 * 16) / 4096)
     r = estimate_memory(layout, KVCompressConfig.from_preset("nuq4", layout), 4 + 32 + 32 * 199, 1, torch.bfloat16)
     # keys: 4-bit codes + a fp16 scale and zero per channel per 32-token page + 21 outliers (int16 position +
     # fp16 value) per 32x64 page; values: 4-bit codes + a fp16 scale per token; 4 sinks and the 32-token
