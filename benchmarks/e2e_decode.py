@@ -14,7 +14,7 @@ steps (which must cover a page being filled and encoded, so that no kernel compi
 
 Each cache runs in its own fresh process by default (--in-process runs both in this one). At batch 8
 and 32K tokens both decode steps are bound by the host (eager transformers: about 1,050 launches per
-step), and on an H200 the host time of the same step varied up to twofold between runs (BENCHMARKS.md);
+step), and on an H200 the host time of the same step varied up to 2.5-fold between runs (BENCHMARKS.md);
 --profile N prints how long the device was busy per step, which does not depend on the host.
 
 Longest context at this batch: the peak memory (torch.cuda.max_memory_allocated over prefill + decode)
