@@ -117,10 +117,10 @@ def quest_mass(logits, hkv: int, valid=None, scaling: float = 1.0, one_block: in
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
     out = torch.empty(b, hkv, n_pages, device=logits.device, dtype=torch.float32)
     if valid is not None:
-        valid = valid.expand(b, hkv, n_pages)
+        valid = valid.expand(b, hkv, n_pages)  # a mask shared by the kv heads keeps stride 0: no copy
         if valid.stride(-1) != 1:
             valid = valid.contiguous()
-        valid = valid.to(torch.uint8) if valid.dtype == torch.bool else valid
+        valid = valid.view(torch.uint8) if valid.dtype == torch.bool else valid
         v_args = (valid, valid.stride(0), valid.stride(1))
     else:
         v_args = (logits, 0, 0)
