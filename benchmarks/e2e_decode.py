@@ -12,6 +12,10 @@ Per cache: the prompt is prefilled in chunks of --chunk tokens (logits of the la
 [B, chunk, vocab] tensor), then --steps greedy decode steps are timed with CUDA events after --warmup
 steps (which must cover a page being filled and encoded, so that no kernel compiles inside the timing). Tokens/s = batch * steps / time.
 
+With --graph the compressed cache decodes through `kvcompress.DecodeGraph`: after two eager steps, each step
+is replayed from one CUDA graph, so the host no longer sets the pace (DynamicCache cannot be captured: its
+tensors grow every step).
+
 Each cache runs in its own fresh process by default (--in-process runs both in this one). At batch 8
 and 32K tokens both decode steps are bound by the host (eager transformers: about 1,050 launches per
 step), and on an H200 the host time of the same step varied up to 2.5-fold between runs (BENCHMARKS.md);
@@ -24,6 +28,7 @@ plus what it already held, i.e. the model). Cache bytes per token (the cache's o
 for CompressedCache, the K/V tensors for DynamicCache) are printed beside it.
 
     python benchmarks/e2e_decode.py --out e2e.md                  # H200: batch 8, 32K prompt, 64 steps
+    python benchmarks/e2e_decode.py --graph --out e2e_graph.md    # the compressed decode replayed from a CUDA graph
     TRITON_INTERPRET=1 KVCOMPRESS_KERNELS=triton python benchmarks/e2e_decode.py --tiny --out /tmp/e2e.md
 """
 
@@ -88,23 +93,27 @@ def prefill(model, ids: torch.Tensor, cache, chunk: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def decode(model, token: torch.Tensor, cache, steps: int) -> torch.Tensor:
+def decode(model, token: torch.Tensor, cache, steps: int, graph=None) -> torch.Tensor:
+    """Greedy steps: eager forwards, or `graph.step` (a kvcompress DecodeGraph) when given."""
     for _ in range(steps):
-        token = model(token, logits_to_keep=1, **with_cache(cache)).logits[:, -1:].argmax(-1)
+        if graph is not None:
+            token = graph.step(token).argmax(-1, keepdim=True)
+        else:
+            token = model(token, logits_to_keep=1, **with_cache(cache)).logits[:, -1:].argmax(-1)
     return token
 
 
-def timed_decode(model, token, cache, steps: int, device) -> float:
+def timed_decode(model, token, cache, steps: int, device, graph=None) -> float:
     """Seconds for `steps` decode steps (CUDA events on the GPU, wall clock on CPU)."""
     if device.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        decode(model, token, cache, steps)
+        decode(model, token, cache, steps, graph)
         end.record()
         end.synchronize()
         return start.elapsed_time(end) / 1e3
     t0 = time.perf_counter()
-    decode(model, token, cache, steps)
+    decode(model, token, cache, steps, graph)
     return time.perf_counter() - t0
 
 
@@ -135,27 +144,31 @@ def run_one(kind, model, args, length, device, timed: bool) -> dict:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     token = prefill(model, ids, cache, args.chunk)
-    token = decode(model, token, cache, args.warmup)
+    graph = None
+    if args.graph and kind != "dynamic":
+        graph = kvcompress.DecodeGraph(model, cache, max_tokens=length + args.warmup + args.steps + args.profile + 1,
+                                       use_graph=device.type == "cuda")
+    token = decode(model, token, cache, args.warmup, graph)
     sync(device)
     row = {"length": length, "cache_bytes": cache_bytes(cache), "tokens": cache.get_seq_length()}
     if timed:
-        seconds = timed_decode(model, token, cache, args.steps, device)
+        seconds = timed_decode(model, token, cache, args.steps, device, graph)
         row["tok_s"] = args.batch * args.steps / seconds
         row["ms_step"] = 1e3 * seconds / args.steps
         if args.profile:
-            profile_steps(model, token, cache, args.profile, kind)
+            profile_steps(model, token, cache, args.profile, kind, graph)
     row["peak"] = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
     del cache, ids, token
     return row
 
 
-def profile_steps(model, token, cache, steps: int, kind: str) -> None:
+def profile_steps(model, token, cache, steps: int, kind: str, graph=None) -> None:
     """Print where `steps` decode steps spend their time (torch.profiler: top ops by device and host time)."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=acts) as prof:
-        decode(model, token, cache, steps)
+        decode(model, token, cache, steps, graph)
         sync(token.device)
     busy = sum(e.self_device_time_total for e in prof.key_averages()) / 1e3 / steps
     print(f"--- {kind}: the device was busy {busy:.1f} ms per decode step (sum of kernel times)")
@@ -214,6 +227,9 @@ def main(argv=None) -> None:
                          "preset) so that every kernel is compiled before the timing")
     ap.add_argument("--preset", default="nuq4")
     ap.add_argument("--profile", type=int, default=0, help="also profile this many decode steps per cache")
+    ap.add_argument("--graph", action="store_true",
+                    help="decode the compressed cache through kvcompress.DecodeGraph (each step replayed from one "
+                         "CUDA graph; DynamicCache stays eager, as transformers runs it)")
     ap.add_argument("--out", required=True, help="file the result table is written to")
     ap.add_argument("--in-process", action="store_true",
                     help="run both caches in this process, one after the other (default: a fresh process each)")
@@ -242,7 +258,8 @@ def main(argv=None) -> None:
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     head = (f"e2e decode, {datetime.date.today()}, {gpu}, {'tiny' if args.tiny else 'Llama-3.1-8B shape'} "
             f"random weights, batch {args.batch}, prompt {args.prompt} (chunks {args.chunk}), {args.steps} "
-            f"timed steps after {args.warmup}; kvcompress kernels: {backend}")
+            f"timed steps after {args.warmup}; kvcompress kernels: {backend}"
+            f"{'; compressed decode replayed from a CUDA graph (DecodeGraph)' if args.graph else ''}")
     lines = [head, "",
              "| cache | tok/s | ms/step | cache bytes/token (batch) | peak bytes/token | peak GiB | longest context |",
              "|---|---|---|---|---|---|---|"]

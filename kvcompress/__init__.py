@@ -5,6 +5,7 @@
 
 from kvcompress.cache import CompressedCache
 from kvcompress.config import ConfigError, KVCompressConfig, LayerPolicy, QuantSpec, SparsitySpec
+from kvcompress.graph import DecodeGraph
 from kvcompress.integration import disable, enable, enabled
 from kvcompress.layout.arch import ModelLayout
 from kvcompress.models import load_model
@@ -15,6 +16,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CompressedCache",
     "ConfigError",
+    "DecodeGraph",
     "KVCompressConfig",
     "LayerPolicy",
     "ModelLayout",

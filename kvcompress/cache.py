@@ -46,6 +46,7 @@ class CompressedLayer(CacheLayerMixin):
         self.layer_idx = layer_idx
         self.cumulative_length = 0  # tokens seen (positions), may exceed what is held after eviction
         self.sparse = None  # a kvcompress.sparse SparseState when the policy has sparsity
+        self.static = None  # a kvcompress.graph StaticLayer while a DecodeGraph holds this layer
 
     # `keys` / `values`: the dense states, for code that reads a layer's tensors directly.
     @property
@@ -93,6 +94,8 @@ class CompressedLayer(CacheLayerMixin):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Append new tokens [B, H, q, D]; return the dense K, V [B, H, held, D] the attention consumes."""
+        if self.static is not None:  # a captured decode step: fixed addresses, lengths on the device
+            return self.static.update(key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.cumulative_length += key_states.shape[-2]
@@ -165,6 +168,7 @@ class CompressedLayer(CacheLayerMixin):
 
     # -- editing ---------------------------------------------------------------------------
     def reset(self) -> None:
+        self.static = None
         self.is_initialized = False
         self.cumulative_length = 0
         if self.sparse is not None:
@@ -176,6 +180,8 @@ class CompressedLayer(CacheLayerMixin):
         """Negative: remove that many newest tokens (5.24+). Positive: keep that many (older 5.x)."""
         if not self.is_initialized:
             return
+        if self.static is not None:  # a decode graph's buffers would move: the graph can no longer replay
+            self.static.release()
         if self.sparse is not None:
             raise NotImplementedError(f"layer {self.layer_idx} has a sparsity policy; cropping it is not supported")
         held = self.held_tokens
@@ -210,6 +216,8 @@ class CompressedLayer(CacheLayerMixin):
     def _map_batch(self, fn) -> None:
         if not self.is_initialized:
             return
+        if self.static is not None:
+            self.static.release()
         self.sink_k, self.sink_v = fn(self.sink_k), fn(self.sink_v)
         self.tail_k, self.tail_v = fn(self.tail_k), fn(self.tail_v)
         self.key_store.map_batch(fn)

@@ -10,6 +10,7 @@ What is proved, on the GPU the speed numbers come from:
 - the Triton page encoder (append) writes bit-exactly the codec's fields on 8 heads x 4096 tokens;
 - Quest page scoring on 1024 pages equals the torch scores;
 - the MLA kernel (512-wide latent + 64 RoPE dims, 128 heads) equals its twin;
+- a DecodeGraph's replayed steps equal its eager steps and the growing cache's (nuq4, int4, fp8);
 - a whole SmolLM2-135M generation: the lossless preset through the kvcompress attention gives the same
   tokens as SDPA, and every lossy preset's Triton decode steps give the torch path's logits (teacher
   forced on the torch path's tokens) within float32 rounding.
@@ -199,6 +200,53 @@ def test_prefill_attention_llama8b_layer(preset):
     got = prefill_attention(query, layer, 128 ** -0.5, starts, budget=2 * 8 * 2048 * 256)
     assert got.dtype == torch.bfloat16 and got.device.type == torch.device(DEV).type
     assert rel_err(got.float().cpu(), want) <= 1e-2
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("preset", ["nuq4", "int4", "fp8"])
+def test_decode_graph_replays_the_step(preset):
+    """A 4-layer bf16 Llama (8 query / 2 kv heads, d 128), batch 3, 600-token prompt, 72 teacher-forced steps
+    (several page flushes): DecodeGraph's replayed steps equal its eager fixed-address steps (same kernels,
+    same bytes: only cuBLAS's choice inside a capture may differ) and the growing cache's steps within bf16
+    rounding of the logits (2 % of their scale), with the same greedy token in at least 95 % of the rows."""
+    import kvcompress
+    from conftest import make_tiny_model
+    from kvcompress.cache import CompressedCache
+    from kvcompress.compat import with_cache
+
+    if DEV != "cuda":
+        pytest.skip("CUDA graphs need a GPU")
+    model = make_tiny_model("llama", hidden_size=1024, num_attention_heads=8, num_key_value_heads=2, head_dim=128,
+                            num_hidden_layers=4, intermediate_size=1024, vocab_size=512,
+                            max_position_embeddings=2048).to(DEV, torch.bfloat16)
+    kvcompress.enable(model)
+    g = torch.Generator().manual_seed(51)
+    prompt = torch.randint(3, 512, (3, 600), generator=g).to(DEV)
+    steps = 72
+    new = torch.randint(3, 512, (3, steps), generator=g).to(DEV)
+    caches = [CompressedCache(model.config, preset) for _ in range(3)]
+    for c in caches:
+        model(prompt, **with_cache(c))
+    grow, eager, replayed = caches
+    eager_graph = kvcompress.DecodeGraph(model, eager, max_tokens=600 + steps, use_graph=False)
+    graph = kvcompress.DecodeGraph(model, replayed, max_tokens=600 + steps, use_graph=True)
+    worst_eager = worst_grow = 0.0
+    same = 0
+    for i in range(steps):
+        t = new[:, i:i + 1]
+        want = model(t, **with_cache(grow)).logits[:, -1].float()
+        ref = eager_graph.step(t).float()
+        got = graph.step(t).float()
+        scale = want.abs().max().item()
+        worst_eager = max(worst_eager, (got - ref).abs().max().item() / scale)
+        worst_grow = max(worst_grow, (got - want).abs().max().item() / scale)
+        same += int((got.argmax(-1) == want.argmax(-1)).sum())
+    kvcompress.disable(model)
+    assert graph.graph is not None and eager_graph.graph is None
+    assert worst_eager <= 1e-2, worst_eager
+    assert worst_grow <= 2e-2, worst_grow
+    assert same >= 0.95 * 3 * steps, same
+    assert replayed.get_seq_length() == grow.get_seq_length() == 600 + steps
 
 
 def _on_cpu(layer):

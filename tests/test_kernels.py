@@ -235,6 +235,28 @@ def test_triton_left_padding(name):
     assert rel_err(want[1:2], ref) < 1e-5
 
 
+@pytest.mark.parametrize("name", ["int4", "nuq4-kout", "fp8", "nuq3-page"])
+def test_tail_length_on_the_device(name):
+    """A tail buffer longer than its valid part (a captured decode step's), with the length in a device
+    tensor: the twin and the kernel (phase, fp8, paged kernels) equal attention over the valid part only.
+    The slack is filled with large values, so reading any of it would show."""
+    from dataclasses import replace
+
+    parts = make_parts(name, b=2, hkv=2, d=64, pages=3, page=16, sinks=3, tail=5, seed=41)
+    q = torch.randn(2, 6, 64, generator=torch.Generator().manual_seed(42))
+    want, _ = decode_attention_torch(q, parts, 0.125)
+    junk = torch.full((2, 2, 6, 64), 30.0)
+    padded = replace(parts, tail_k=torch.cat([parts.tail_k, junk], 2), tail_v=torch.cat([parts.tail_v, -junk], 2),
+                     tail_lengths=torch.tensor([5]))
+    got, _ = decode_attention_torch(q, padded, 0.125)
+    assert rel_err(got, want) < 1e-6
+    assert rel_err(decode_attention_torch(q, replace(padded, tail_lengths=None), 0.125)[0], want) > 0.1
+    if HAVE_TRITON:
+        from kvcompress.kernels.decode_attention_triton import decode_attention_triton
+
+        assert rel_err(decode_attention_triton(q, padded, 0.125, block_n=16)[0], want) <= 1e-3
+
+
 @needs_triton
 @pytest.mark.parametrize("name,d,lut", [
     ("int4", 128, "select"), ("int4", 64, "select"), ("int2", 128, "select"), ("int2", 64, "select"),

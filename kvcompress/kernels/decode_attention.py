@@ -45,7 +45,10 @@ def decode_attention_torch(
         positions.append(n_sink + tok.clamp(0, max(n_body - 1, 0)))
     keys.append(parts.tail_k)
     values.append(parts.tail_v)
-    valid.append(torch.ones(b, hkv, n_tail, dtype=torch.bool, device=dev))
+    tail_ok = torch.ones(b, hkv, n_tail, dtype=torch.bool, device=dev)
+    if parts.tail_lengths is not None:  # a fixed-size tail buffer: only its first tail_lengths tokens are held
+        tail_ok = tail_ok & (torch.arange(n_tail, device=dev) < parts.tail_lengths.to(dev))
+    valid.append(tail_ok)
     positions.append(n_sink + n_body + torch.arange(n_tail, device=dev).expand(b, hkv, n_tail))
 
     k = torch.cat(keys, 2).float()  # [B, Hkv, n, Dk]

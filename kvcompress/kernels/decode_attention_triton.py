@@ -300,7 +300,7 @@ def _decode_split_kernel(
     KC, kc_sb, kc_sh, kc_sn, KS, KZ, ks_sb, ks_sh, ks_sn, ks_sc, KCB, kcb_sh, KOI, KOV, ko_sb, ko_sh, ko_sp,
     VC, vc_sb, vc_sh, vc_sn, VS, VZ, vs_sb, vs_sh, vs_sn, vs_sc, VCB, vcb_sh, VOI, VOV, vo_sb, vo_sh, vo_sp,
     SK, sk_sb, sk_sh, sk_sn, SV, sv_sb, sv_sh, sv_sn, n_sink,
-    TK, tk_sb, tk_sh, tk_sn, TV, tv_sb, tv_sh, tv_sn, n_tail,
+    TK, tk_sb, tk_sh, tk_sn, TV, tv_sb, tv_sh, tv_sn, n_tail, TLEN,
     LENS, STARTS, n_body, PL, pl_sb, pl_sh, n_sel, tokens_per_split, n_body_splits,
     M_OUT, L_OUT, ACC_OUT, SCORES, sc_sb, sc_sh,
     qk_scale,
@@ -310,7 +310,7 @@ def _decode_split_kernel(
     K_HAS_ZERO: tl.constexpr, K_NOUT: tl.constexpr, K_KCP: tl.constexpr,
     V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_SCALE_AT: tl.constexpr, V_GROUP: tl.constexpr,
     V_HAS_ZERO: tl.constexpr, V_NOUT: tl.constexpr, V_KCP: tl.constexpr,
-    HAS_BODY: tl.constexpr, HAS_LENS: tl.constexpr, HAS_STARTS: tl.constexpr, HAS_PL: tl.constexpr, WRITE_SCORES: tl.constexpr,
+    HAS_BODY: tl.constexpr, HAS_LENS: tl.constexpr, HAS_TLEN: tl.constexpr, HAS_STARTS: tl.constexpr, HAS_PL: tl.constexpr, WRITE_SCORES: tl.constexpr,
     DOT_FP32: tl.constexpr, DT: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
@@ -323,6 +323,8 @@ def _decode_split_kernel(
         row_first = tl.load(STARTS + b).to(tl.int32)
     else:
         row_first = 0
+    if HAS_TLEN:  # tail length on the device: the tail buffer of a captured decode step is longer
+        n_tail = tl.load(TLEN).to(tl.int32)
 
     g = tl.arange(0, GP)
     g_ok = g < G
@@ -623,6 +625,7 @@ def decode_attention_triton(
     lens = parts.body_lengths
     lens = lens.to(dev, torch.int32) if lens is not None else q
     starts = parts.row_starts.to(dev, torch.int32) if parts.row_starts is not None else q
+    tlen = parts.tail_lengths if parts.tail_lengths is not None else q
 
     m_part = torch.empty(b * hq * n_splits, device=dev, dtype=torch.float32)
     l_part = torch.empty_like(m_part)
@@ -641,13 +644,13 @@ def decode_attention_triton(
         sink_k, sink_k.stride(0), sink_k.stride(1), sink_k.stride(2),
         sink_v, sink_v.stride(0), sink_v.stride(1), sink_v.stride(2), parts.n_sinks,
         tail_k, tail_k.stride(0), tail_k.stride(1), tail_k.stride(2),
-        tail_v, tail_v.stride(0), tail_v.stride(1), tail_v.stride(2), parts.n_tail,
+        tail_v, tail_v.stride(0), tail_v.stride(1), tail_v.stride(2), parts.n_tail, tlen,
         lens, starts, n_body, *pl_args, tokens_per_split, body_splits,
         m_part, l_part, acc_part, scores, scores.stride(0) if return_probs else 0,
         scores.stride(1) if return_probs else 0,
         scaling * LOG2E,
         HKV=hkv, G=group, GP=max(16, _next_pow2(group)), DK=dk, DV=dv, P=page_size, BN=block_n, DBN=32,
-        HAS_LENS=parts.body_lengths is not None, HAS_STARTS=parts.row_starts is not None,
+        HAS_LENS=parts.body_lengths is not None, HAS_TLEN=parts.tail_lengths is not None, HAS_STARTS=parts.row_starts is not None,
         HAS_PL=page_list is not None and key_args is not None, WRITE_SCORES=return_probs,
         DOT_FP32=dtype == torch.float32, DT=_DOT_DTYPES[dtype],
         num_warps=num_warps or 4, num_stages=num_stages, **extra,

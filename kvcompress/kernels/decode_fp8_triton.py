@@ -30,7 +30,7 @@ def _fp8_split_kernel(
     KC, kc_sb, kc_sh, kc_sn, KS, KZ, ks_sb, ks_sh, ks_sn, ks_sc, KCB, kcb_sh, KOI, KOV, ko_sb, ko_sh, ko_sp,
     VC, vc_sb, vc_sh, vc_sn, VS, VZ, vs_sb, vs_sh, vs_sn, vs_sc, VCB, vcb_sh, VOI, VOV, vo_sb, vo_sh, vo_sp,
     SK, sk_sb, sk_sh, sk_sn, SV, sv_sb, sv_sh, sv_sn, n_sink,
-    TK, tk_sb, tk_sh, tk_sn, TV, tv_sb, tv_sh, tv_sn, n_tail,
+    TK, tk_sb, tk_sh, tk_sn, TV, tv_sb, tv_sh, tv_sn, n_tail, TLEN,
     LENS, STARTS, n_body, PL, pl_sb, pl_sh, n_sel, tokens_per_split, n_body_splits,
     M_OUT, L_OUT, ACC_OUT, SCORES, sc_sb, sc_sh,
     qk_scale,
@@ -40,7 +40,7 @@ def _fp8_split_kernel(
     K_HAS_ZERO: tl.constexpr, K_NOUT: tl.constexpr, K_KCP: tl.constexpr,
     V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_SCALE_AT: tl.constexpr, V_GROUP: tl.constexpr,
     V_HAS_ZERO: tl.constexpr, V_NOUT: tl.constexpr, V_KCP: tl.constexpr,
-    HAS_BODY: tl.constexpr, HAS_LENS: tl.constexpr, HAS_STARTS: tl.constexpr, HAS_PL: tl.constexpr,
+    HAS_BODY: tl.constexpr, HAS_LENS: tl.constexpr, HAS_TLEN: tl.constexpr, HAS_STARTS: tl.constexpr, HAS_PL: tl.constexpr,
     WRITE_SCORES: tl.constexpr, DOT_FP32: tl.constexpr, DT: tl.constexpr,
 ):
     """Grid (B * Hkv, body splits + 1); partial row of split s at s, the exact parts at n_body_splits.
@@ -55,6 +55,8 @@ def _fp8_split_kernel(
         row_first = tl.load(STARTS + b).to(tl.int32)
     else:
         row_first = 0
+    if HAS_TLEN:  # tail length on the device: the tail buffer of a captured decode step is longer
+        n_tail = tl.load(TLEN).to(tl.int32)
     g = tl.arange(0, GP)
     g_ok = g < G
     q_rows = Q + b64 * q_sb + (h * G + g)[:, None] * q_sh

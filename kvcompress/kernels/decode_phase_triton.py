@@ -148,7 +148,7 @@ def _phase_split_kernel(
     KC, kc_sb, kc_sh, kc_sn, KS, KZ, ks_sb, ks_sh, ks_sn, ks_sc, KCB, kcb_sh, KOI, KOV, ko_sb, ko_sh, ko_sp,
     VC, vc_sb, vc_sh, vc_sn, VS, VZ, vs_sb, vs_sh, vs_sn, vs_sc, VCB, vcb_sh, VOI, VOV, vo_sb, vo_sh, vo_sp,
     SK, sk_sb, sk_sh, sk_sn, SV, sv_sb, sv_sh, sv_sn, n_sink,
-    TK, tk_sb, tk_sh, tk_sn, TV, tv_sb, tv_sh, tv_sn, n_tail,
+    TK, tk_sb, tk_sh, tk_sn, TV, tv_sb, tv_sh, tv_sn, n_tail, TLEN,
     LENS, STARTS, n_body, PL, pl_sb, pl_sh, n_sel, tokens_per_split, n_body_splits,
     M_OUT, L_OUT, ACC_OUT, SCORES, sc_sb, sc_sh,
     qk_scale,
@@ -156,7 +156,7 @@ def _phase_split_kernel(
     P: tl.constexpr, BN: tl.constexpr, DBN: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr,
     V_GROUP: tl.constexpr, V_HAS_ZERO: tl.constexpr, K_NOUT: tl.constexpr, K_KCP: tl.constexpr,
     OPB: tl.constexpr, LUT: tl.constexpr,
-    HAS_LENS: tl.constexpr, HAS_STARTS: tl.constexpr, HAS_PL: tl.constexpr,
+    HAS_LENS: tl.constexpr, HAS_TLEN: tl.constexpr, HAS_STARTS: tl.constexpr, HAS_PL: tl.constexpr,
     WRITE_SCORES: tl.constexpr, DOT_FP32: tl.constexpr, DT: tl.constexpr,
     PHK: tl.constexpr, PHV: tl.constexpr, WK: tl.constexpr, WV: tl.constexpr, K_WB: tl.constexpr,
     V_WB: tl.constexpr, MAGIC: tl.constexpr, SHIFT: tl.constexpr, GQ: tl.constexpr, NGP: tl.constexpr,
@@ -179,6 +179,8 @@ def _phase_split_kernel(
         row_first = tl.load(STARTS + b).to(tl.int32)
     else:
         row_first = 0
+    if HAS_TLEN:  # tail length on the device: the tail buffer of a captured decode step is longer
+        n_tail = tl.load(TLEN).to(tl.int32)
 
     if split == n_body_splits:  # the exact parts: sinks, then tail
         _exact_split(Q, q_sb, q_sh, SK, sk_sb, sk_sh, sk_sn, SV, sv_sb, sv_sh, sv_sn, n_sink,

@@ -64,7 +64,9 @@ class AttentionParts:
     sink_k, sink_v: [B, H, S, D]; tail_k, tail_v: [B, H, T, D] (model dtype);
     body_lengths: [B] int, valid body tokens per batch row (None: all N);
     row_starts: [B] int, the first held position (sinks | body | tail order) each row attends to: the
-    positions before it are left padding (None: no padding).
+    positions before it are left padding (None: no padding);
+    tail_lengths: [1] int64 on the device, how many tail tokens are valid (None: all T). A captured decode
+    step (kvcompress.decode_graph) reads a tail buffer of fixed size whose length only the device knows.
     """
 
     key: PackedStream | None
@@ -75,6 +77,7 @@ class AttentionParts:
     tail_v: torch.Tensor
     body_lengths: torch.Tensor | None = None
     row_starts: torch.Tensor | None = None
+    tail_lengths: torch.Tensor | None = None
 
     def __post_init__(self):
         if (self.key is None) != (self.value is None):
@@ -115,6 +118,8 @@ def layer_parts(layer, body_lengths: torch.Tensor | None = None,
     """The AttentionParts of an initialised `kvcompress.cache.CompressedLayer` (no copies)."""
     if not getattr(layer, "is_initialized", False):
         raise ValueError("the layer holds no tokens yet: call update() / append() first")
+    if getattr(layer, "static", None) is not None:  # a decode graph's layer: fixed buffers, lengths on the device
+        return layer.static.parts()
     if not layer.compressed:
         empty_k, empty_v = layer.tail_k[:, :, :0], layer.tail_v[:, :, :0]
         return AttentionParts(None, None, empty_k, empty_v, layer.tail_k, layer.tail_v, None, row_starts)

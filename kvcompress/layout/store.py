@@ -5,7 +5,10 @@ TOKEN tensors [B, H, N, ...] (the codes), PAGE tensors [B, H, N/P, ...] (page sc
 Quest summaries), ROW tensors [B, H, 1, ...] (frozen statistics). A page's slots are contiguous,
 so page p of every (batch row, kv head) covers tokens [p*P, (p+1)*P): the fused kernels address a
 page by its index and the drop-in path decodes all pages at once. Memory grows a page at a time
-(a new allocation, the old one freed), so slack never exceeds one page.
+(a new allocation, the old one freed), so slack never exceeds one page, unless room was reserved
+(`reserve`): then pages are written in place into buffers of fixed address and `data` holds views of
+their filled part (a captured decode step, kvcompress.graph, reads the buffers by pointer). Memory is
+measured by storage, so a reservation is charged in full.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ class PagedStore:
         self.kinds = codec.fields()
         self.data: dict[str, torch.Tensor] = {}
         self.row: dict[str, torch.Tensor] = {}
+        self.buffers: dict[str, torch.Tensor] = {}  # reserved room (fixed addresses), empty when none
+        self.capacity = 0  # tokens the buffers hold
         self.n_tokens = 0
 
     @property
@@ -44,10 +49,39 @@ class PagedStore:
             return
         self.prepare(x)
         new = self.codec.encode(x, self.row)
-        for name, t in new.items():
-            old = self.data.get(name)
-            self.data[name] = t if old is None else torch.cat([old, t], dim=2)
-        self.n_tokens += x.shape[2]
+        lo, hi = self.n_tokens, self.n_tokens + x.shape[2]
+        if self.buffers and hi <= self.capacity:  # in place, at fixed addresses
+            for name, t in new.items():
+                a, b = self._index(name, lo, lo // self.page_size), self._index(name, hi, hi // self.page_size)
+                self.buffers[name][:, :, a:b].copy_(t)
+                self.data[name] = self.buffers[name][:, :, :b]
+        else:
+            self._drop_reservation()
+            for name, t in new.items():
+                old = self.data.get(name)
+                self.data[name] = t if old is None else torch.cat([old, t], dim=2)
+        self.n_tokens = hi
+
+    def reserve(self, n_pages: int) -> None:
+        """Room for n_pages pages in buffers of fixed address (existing pages copied in; at least one page
+        must be stored, so the fields' shapes are known). Appends then write in place until they are full."""
+        if self.n_tokens == 0:
+            raise ValueError("reserve() needs at least one stored page (the fields' shapes come from it)")
+        n_pages = max(n_pages, self.n_pages)
+        if self.buffers and n_pages * self.page_size <= self.capacity:
+            return
+        p = self.page_size
+        buffers = {}
+        for name, t in self.data.items():
+            room = self._index(name, n_pages * p, n_pages)
+            buf = t.new_zeros((*t.shape[:2], room, *t.shape[3:]))
+            buf[:, :, : t.shape[2]].copy_(t)
+            buffers[name] = buf
+            self.data[name] = buf[:, :, : t.shape[2]]
+        self.buffers, self.capacity = buffers, n_pages * p
+
+    def _drop_reservation(self) -> None:
+        self.buffers, self.capacity = {}, 0
 
     def decode(self, dtype: torch.dtype) -> torch.Tensor | None:
         """All stored tokens, [B, H, N, D] in `dtype` (None when empty)."""
@@ -72,6 +106,7 @@ class PagedStore:
             name: t[:, :, : self._index(name, keep_tok, keep_page)].clone() for name, t in self.data.items()
         }
         self.n_tokens = keep_tok
+        self._drop_reservation()
         if self.n_tokens == 0:
             self.data = {}
         return out
@@ -83,6 +118,7 @@ class PagedStore:
         """Apply a batch-dim operation (index_select, repeat_interleave, ...) to every tensor."""
         self.data = {k: fn(v) for k, v in self.data.items()}
         self.row = {k: fn(v) for k, v in self.row.items()}
+        self._drop_reservation()
 
     def to(self, device) -> None:
         self.map_batch(lambda t: t.to(device, non_blocking=True))

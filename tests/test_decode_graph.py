@@ -1,0 +1,177 @@
+"""DecodeGraph's fixed-address decode steps (kvcompress.graph), on a tiny random Llama.
+
+On the CPU the steps run eagerly (use_graph=False) through the fused kernels in Triton's interpreter: the
+same code a CUDA graph captures, with the tail's and the body's lengths read from device tensors and the
+body in reserved buffers. What these prove:
+- the logits of every step equal those of the growing cache on the same fused path (the pages are encoded
+  at the same tokens: the page is taken before the step that fills the tail), across several page flushes,
+  for the phase (nuq4, int4), fp8 and paged (nuq3) kernels;
+- the buffers the kernels read never move while the graph holds the cache (a replay reads them by address);
+- the layer's own view (held tokens, dense K/V, memory report) stays right, and `release()` hands back a
+  growing cache that goes on equal to the reference;
+- bad use is a clear ConfigError.
+The CUDA graph itself (capture, replay) is tested on the GPU (tests/test_gpu.py).
+Tolerance: the two paths read the same bytes; only the kernels' split plans differ (the graph plans for the
+whole reservation), i.e. float32 summation order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+import kvcompress
+from kvcompress import CompressedCache, ConfigError, DecodeGraph, KVCompressConfig
+from kvcompress.compat import with_cache
+from kvcompress.kernels.backend import triton_available
+
+from conftest import make_tiny_model
+
+pytestmark = pytest.mark.skipif(not triton_available(), reason="needs Triton (its interpreter on CPU)")
+
+PROMPT = 29
+ATOL, RTOL = 1e-4, 1e-3
+
+
+@pytest.fixture(scope="module")
+def model():
+    m = make_tiny_model("llama", hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                        intermediate_size=256, num_hidden_layers=2)
+    kvcompress.enable(m)
+    yield m
+    kvcompress.disable(m)
+
+
+@pytest.fixture(autouse=True)
+def fused(monkeypatch):
+    monkeypatch.setenv("KVCOMPRESS_KERNELS", "triton")
+
+
+def small_pages(model, preset: str, residual: int = 2) -> KVCompressConfig:
+    """The preset with pages of 8 tokens and a short residual, so a few steps cross several page flushes."""
+    cfg = KVCompressConfig.from_preset(preset, model.config)
+    layers = [replace(p, page_size=8, residual=residual) for p in cfg.layers]
+    return KVCompressConfig(layout=cfg.layout, layers=layers, name=f"{preset}-p8")
+
+
+def tokens(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, 256, (2, n), generator=torch.Generator().manual_seed(seed))
+
+
+def prefilled(model, cfg, prompt):
+    cache = CompressedCache(model.config, cfg)
+    with torch.no_grad():
+        model(prompt, **with_cache(cache))
+    return cache
+
+
+@pytest.mark.parametrize("preset", ["nuq4", "int4", "fp8", "nuq3"])
+def test_fixed_address_steps_equal_the_growing_cache(model, preset):
+    steps = 14
+    cfg, prompt, new = small_pages(model, preset), tokens(PROMPT), tokens(steps, seed=1)
+    ref, cache = prefilled(model, cfg, prompt), prefilled(model, cfg, prompt)
+    graph = DecodeGraph(model, cache, max_tokens=PROMPT + steps, use_graph=False)
+    addresses = None
+    with torch.no_grad():
+        for i in range(steps):
+            want = model(new[:, i:i + 1], **with_cache(ref)).logits[:, -1]
+            got = graph.step(new[:, i:i + 1])
+            torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
+            layer = cache.layers[1]
+            now = [t.data_ptr() for t in (*layer.key_store.buffers.values(), layer.static.tail_k)]
+            assert addresses is None or now == addresses  # nothing the kernel reads has moved
+            addresses = now
+    assert graph.statics is not None and graph.eager_static_steps == steps
+    assert cache.layers[1].key_store.n_pages > ref.layers[1].key_store.n_pages - 1 >= 3  # pages were flushed
+    assert cache.get_seq_length() == ref.get_seq_length() == PROMPT + steps
+    assert cache.layers[0].held_tokens == ref.layers[0].held_tokens
+    assert cache.memory_report()["held_bytes"] >= ref.memory_report()["held_bytes"]  # the reservation is charged
+
+
+def test_release_gives_back_a_growing_cache(model):
+    cfg, prompt, new = small_pages(model, "nuq4"), tokens(PROMPT), tokens(12, seed=2)
+    ref, cache = prefilled(model, cfg, prompt), prefilled(model, cfg, prompt)
+    graph = DecodeGraph(model, cache, max_tokens=PROMPT + 6, use_graph=False)
+    with torch.no_grad():
+        for i in range(12):
+            want = model(new[:, i:i + 1], **with_cache(ref)).logits[:, -1]
+            if i == 6:
+                graph.release()
+                assert all(layer.static is None for layer in cache.layers)
+            got = graph.step(new[:, i:i + 1]) if i < 6 else model(new[:, i:i + 1], **with_cache(cache)).logits[:, -1]
+            torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
+    for a, b in zip(ref.layers[0].dense(), cache.layers[0].dense()):
+        torch.testing.assert_close(a, b)
+
+
+def test_a_dropped_cache_is_freed_at_once(model):
+    """No reference cycle between a layer and its StaticLayer: dropping the cache frees its buffers without
+    waiting for the garbage collector (a cycle kept a whole cache alive in the benchmark)."""
+    import gc
+    import weakref
+
+    cache = prefilled(model, small_pages(model, "nuq4"), tokens(PROMPT))
+    graph = DecodeGraph(model, cache, max_tokens=PROMPT + 4, use_graph=False)
+    with torch.no_grad():
+        graph.step(tokens(1))
+    buffer = weakref.ref(cache.layers[0].key_store.buffers["codes"])
+    gc.disable()
+    try:
+        del cache, graph
+        assert buffer() is None
+    finally:
+        gc.enable()
+
+
+def test_steps_before_the_first_page_run_eagerly(model):
+    """A prompt shorter than sinks + a page: the first steps grow the cache normally, then it goes static."""
+    cfg, new = small_pages(model, "nuq4"), tokens(12, seed=3)
+    cache = prefilled(model, cfg, tokens(5))
+    graph = DecodeGraph(model, cache, max_tokens=5 + 12, use_graph=False)
+    with torch.no_grad():
+        graph.step(new[:, :1])
+        assert graph.statics is None
+        for i in range(1, 12):
+            graph.step(new[:, i:i + 1])
+    assert graph.statics is not None and cache.get_seq_length() == 17
+
+
+def test_bad_use_is_a_clear_error(model):
+    cfg, prompt = small_pages(model, "nuq4"), tokens(PROMPT)
+    cache = prefilled(model, cfg, prompt)
+    with pytest.raises(ConfigError, match="max_tokens"):
+        DecodeGraph(model, cache, max_tokens=PROMPT)
+    graph = DecodeGraph(model, cache, max_tokens=PROMPT + 1, use_graph=False)
+    with torch.no_grad():
+        graph.step(tokens(1))
+        with pytest.raises(ConfigError, match="max_tokens=30"):
+            graph.step(tokens(1))
+    with pytest.raises(ConfigError, match="use_graph=True needs a CUDA"):
+        DecodeGraph(model, prefilled(model, cfg, prompt), max_tokens=64, use_graph=True)
+    lossless = prefilled(model, KVCompressConfig.from_preset("none", model.config), prompt)
+    with pytest.raises(ConfigError, match="lossless"):
+        DecodeGraph(model, lossless, max_tokens=64, use_graph=False)
+    sparse = prefilled(model, KVCompressConfig.from_preset("nuq4+h2o-20", model.config), prompt)
+    with pytest.raises(ConfigError, match="sparse"):
+        DecodeGraph(model, sparse, max_tokens=64, use_graph=False)
+    with pytest.raises(ConfigError, match="prefill"):
+        DecodeGraph(model, CompressedCache(model.config, cfg), max_tokens=64, use_graph=False)
+    kvcompress.disable(model)
+    try:
+        with pytest.raises(ConfigError, match="kvcompress.enable"):
+            DecodeGraph(model, prefilled(model, cfg, prompt), max_tokens=64, use_graph=False)
+    finally:
+        kvcompress.enable(model)
+
+
+def test_a_cropped_cache_leaves_the_graph(model):
+    cfg, prompt = small_pages(model, "nuq4"), tokens(PROMPT)
+    cache = prefilled(model, cfg, prompt)
+    graph = DecodeGraph(model, cache, max_tokens=64, use_graph=False)
+    with torch.no_grad():
+        graph.step(tokens(1))
+        cache.crop(PROMPT - 3)
+        with pytest.raises(ConfigError, match="left the decode graph"):
+            graph.step(tokens(1))
