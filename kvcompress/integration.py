@@ -177,13 +177,16 @@ def disable(model):
 
 def _add_forward_hooks(model) -> None:
     """Scope the fused decode path to this model's forwards (removed by `disable`)."""
-    from kvcompress.kernels.attention_backend import begin_forward, end_forward, left_padding
+    from kvcompress.kernels.attention_backend import begin_forward, end_forward, known_starts, left_padding
     from kvcompress.kernels.backend import select_backend
 
     def before(module, args, kwargs):
         device = next(module.parameters()).device
         if select_backend(device) != "triton":
             begin_forward(False)
+            return
+        if known_starts() is not None:  # a decode graph's step: the row starts were read once, up front
+            begin_forward(True, known_starts())
             return
         # left padding: each row's first real position goes to the kernel; other masks: the torch path
         readable, starts = left_padding(kwargs.get("attention_mask", args[1] if len(args) > 1 else None))

@@ -4,7 +4,8 @@ Lossless: after the same random states and the same operation (batch_repeat_inte
 batch_select_indices, reorder_cache, reset, crop), a "none" CompressedCache holds exactly what
 DynamicCache holds and reports the same get_seq_length / get_mask_sizes, for full and sliding layers.
 Quantized (small pages so that the packed body is used): the batch operations commute with decoding,
-and crop(-n) cuts into the packed body without changing any kept value.
+and crop(-n) cuts into the packed body without changing any kept value. A store with reserved room
+writes its pages in place and holds what a growing store holds.
 """
 
 from __future__ import annotations
@@ -269,3 +270,37 @@ def test_batch_operations_commute_with_decoding(name, op):
     layer.update(torch.randn(b, H, 6, D), torch.randn(b, H, 6, D))
     assert layer.dense()[0].shape == (b, H, layer.held_tokens, D)
     assert other.held_tokens == layer.held_tokens - 6
+
+
+@pytest.mark.parametrize("name", ["nuq4", "int4", "fp8"])
+def test_reserved_store_writes_in_place(name):
+    """PagedStore.reserve: pages appended after it land in the reserved buffers (their addresses never move)
+    and hold exactly what a growing store holds; past the reservation, or after pop_pages, it grows again."""
+    from kvcompress.config import KVCompressConfig
+    from kvcompress.layout.store import PagedStore
+    from kvcompress.quant.factory import make_codec
+
+    policy = KVCompressConfig.from_preset(name, llama_config()).layers[0]
+    x = torch.randn(2, 2, 6 * 16, 32, generator=torch.Generator().manual_seed(3))
+    stores = []
+    for _ in range(2):
+        codec = make_codec(policy.key, page_size=16, head_dim=32, num_heads=2, dtype=torch.float32, tensors={}, seed=0)
+        stores.append(PagedStore(codec))
+    grow, fixed = stores
+    for s in stores:
+        s.append(x[:, :, :16])
+    fixed.reserve(4)
+    pointers = {k: t.data_ptr() for k, t in fixed.buffers.items()}
+    for lo in range(16, 64, 16):
+        for s in stores:
+            s.append(x[:, :, lo:lo + 16])
+        assert {k: t.data_ptr() for k, t in fixed.data.items()} == pointers
+    for k in grow.data:
+        assert torch.equal(grow.data[k], fixed.data[k])
+    assert fixed.capacity == 64 and torch.equal(grow.decode(torch.float32), fixed.decode(torch.float32))
+    for s in stores:
+        s.append(x[:, :, 64:96])  # past the reservation: grows by a new allocation
+    assert not fixed.buffers and torch.equal(grow.decode(torch.float32), fixed.decode(torch.float32))
+    fixed.reserve(8)
+    fixed.pop_pages(1, torch.float32)
+    assert not fixed.buffers and fixed.n_pages == 5

@@ -138,6 +138,36 @@ def test_steps_before_the_first_page_run_eagerly(model):
     assert graph.statics is not None and cache.get_seq_length() == 17
 
 
+def test_left_padded_batch(model):
+    """Prompts of different lengths, left-padded as generate() pads them: with the prompt's mask, each row
+    attends from its first real token and counts positions from there, as the growing cache does when
+    fed generate()'s mask and positions. (The padded row is not compared with the prompt alone: its pages
+    hold pad tokens too, which change their quantization ranges.)"""
+    cfg, new = small_pages(model, "nuq4"), tokens(10, seed=4)
+    prompt = tokens(PROMPT, seed=5)
+    mask = torch.ones(2, PROMPT, dtype=torch.long)
+    mask[1, :7] = 0
+    pos = (mask.cumsum(-1) - 1).clamp_min(0)
+    caches = [CompressedCache(model.config, cfg) for _ in range(2)]
+    with torch.no_grad():
+        for c in caches:
+            model(prompt, attention_mask=mask, position_ids=pos, **with_cache(c))
+        ref, cache = caches
+        graph = DecodeGraph(model, cache, max_tokens=PROMPT + 10, use_graph=False, attention_mask=mask)
+        for i in range(10):
+            t = new[:, i:i + 1]
+            mask = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1)
+            step_pos = mask.sum(-1, keepdim=True) - 1
+            want = model(t, attention_mask=mask, position_ids=step_pos, **with_cache(ref)).logits[:, -1]
+            got = graph.step(t)
+            torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
+    assert graph.statics is not None
+    with pytest.raises(ConfigError, match="left padding"):
+        holes = torch.ones(2, PROMPT, dtype=torch.long)
+        holes[0, 5] = 0
+        DecodeGraph(model, prefilled(model, cfg, prompt), max_tokens=64, use_graph=False, attention_mask=holes)
+
+
 def test_bad_use_is_a_clear_error(model):
     cfg, prompt = small_pages(model, "nuq4"), tokens(PROMPT)
     cache = prefilled(model, cfg, prompt)

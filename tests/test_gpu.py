@@ -205,8 +205,8 @@ def test_prefill_attention_llama8b_layer(preset):
 @torch.no_grad()
 @pytest.mark.parametrize("preset", ["nuq4", "int4", "fp8"])
 def test_decode_graph_replays_the_step(preset):
-    """A 4-layer bf16 Llama (8 query / 2 kv heads, d 128), batch 3, 600-token prompt, 72 teacher-forced steps
-    (several page flushes): DecodeGraph's replayed steps equal its eager fixed-address steps (same kernels,
+    """A 4-layer bf16 Llama (8 query / 2 kv heads, d 128), batch 3 with one row left-padded by 100 tokens,
+    600-token prompt, 72 teacher-forced steps (several page flushes): DecodeGraph's replayed steps equal its eager fixed-address steps (same kernels,
     same bytes: only cuBLAS's choice inside a capture may differ) and the growing cache's steps within bf16
     rounding of the logits (2 % of their scale), with the same greedy token in at least 95 % of the rows."""
     import kvcompress
@@ -224,17 +224,21 @@ def test_decode_graph_replays_the_step(preset):
     prompt = torch.randint(3, 512, (3, 600), generator=g).to(DEV)
     steps = 72
     new = torch.randint(3, 512, (3, steps), generator=g).to(DEV)
+    mask = torch.ones(3, 600, dtype=torch.long, device=DEV)
+    mask[2, :100] = 0
     caches = [CompressedCache(model.config, preset) for _ in range(3)]
     for c in caches:
-        model(prompt, **with_cache(c))
+        model(prompt, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp_min(0), **with_cache(c))
     grow, eager, replayed = caches
-    eager_graph = kvcompress.DecodeGraph(model, eager, max_tokens=600 + steps, use_graph=False)
-    graph = kvcompress.DecodeGraph(model, replayed, max_tokens=600 + steps, use_graph=True)
+    eager_graph = kvcompress.DecodeGraph(model, eager, max_tokens=600 + steps, use_graph=False, attention_mask=mask)
+    graph = kvcompress.DecodeGraph(model, replayed, max_tokens=600 + steps, use_graph=True, attention_mask=mask)
     worst_eager = worst_grow = 0.0
     same = 0
     for i in range(steps):
         t = new[:, i:i + 1]
-        want = model(t, **with_cache(grow)).logits[:, -1].float()
+        mask = torch.cat([mask, torch.ones(3, 1, dtype=torch.long, device=DEV)], 1)
+        pos = mask.sum(-1, keepdim=True) - 1
+        want = model(t, attention_mask=mask, position_ids=pos, **with_cache(grow)).logits[:, -1].float()
         ref = eager_graph.step(t).float()
         got = graph.step(t).float()
         scale = want.abs().max().item()

@@ -13,8 +13,11 @@ the host, not the GPU, sets the pace (BENCHMARKS.md). A CUDA graph replays the w
     graph.release()                                                 # the cache grows normally again
 
 What it needs: the fused path (`kvcompress.enable(model)`, CUDA or KVCOMPRESS_KERNELS=triton), every cache
-layer compressed without a sparsity policy (the quantization presets), rows of one length (no padding),
-and `max_tokens` (prompt + new tokens): the packed body reserves room for it, so its buffers never move.
+layer compressed without a sparsity policy (the quantization presets), and `max_tokens` (prompt + new
+tokens): the packed body reserves room for it, so its buffers never move. A batch of prompts of different
+lengths, left-padded as `generate()` pads them, passes the prompt's 2-D `attention_mask` [B, T]: each row
+then attends from its first real token, and its positions count from there (as generate's do).
+The prefill must have used the same positions (`position_ids = attention_mask.cumsum(-1) - 1`).
 Steps before every layer holds a packed page run eagerly; then each layer becomes a `StaticLayer`, two
 steps run eagerly (Triton compiles, cuBLAS picks its kernels), and the third is captured and replayed from
 then on. Between replays the host accounts for the token (`StaticLayer.advance`) and encodes a page when
@@ -26,6 +29,8 @@ one is due, eagerly (once every page_size steps per layer).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from kvcompress.config import ConfigError
@@ -34,8 +39,10 @@ WARMUP = 2  # eager fixed-address steps before the capture
 
 
 class DecodeGraph:
-    def __init__(self, model, cache, max_tokens: int, use_graph: bool | None = None):
+    def __init__(self, model, cache, max_tokens: int, use_graph: bool | None = None,
+                 attention_mask: torch.Tensor | None = None):
         from kvcompress.cache import CompressedCache, CompressedLayer
+        from kvcompress.kernels.attention_backend import left_padding
         from kvcompress.kernels.backend import select_backend
 
         if not isinstance(cache, CompressedCache):
@@ -73,6 +80,16 @@ class DecodeGraph:
         self.ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.pos = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.logits = None
+        self.row_starts = self.pads = None  # left padding: each row's first real position, [B]
+        if attention_mask is not None:
+            if attention_mask.dim() != 2 or attention_mask.shape != (batch, seen):
+                raise ValueError(f"attention_mask must be the prompt's [batch, tokens] = [{batch}, {seen}] mask, "
+                                 f"got {list(attention_mask.shape)}")
+            readable, starts = left_padding(attention_mask.to(device))
+            if not readable:
+                raise ConfigError("DecodeGraph reads left padding only (each row's padding before its first token)")
+            if starts is not None:
+                self.row_starts, self.pads = starts, starts.to(torch.long).view(batch, 1)
 
     # -- one step ------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -84,7 +101,10 @@ class DecodeGraph:
         if token.shape != self.ids.shape:
             raise ValueError(f"token must be [{self.ids.shape[0]}, 1], got {list(token.shape)}")
         self.ids.copy_(token)
-        self.pos.fill_(seen)
+        if self.pads is None:
+            self.pos.fill_(seen)
+        else:  # positions count from each row's first real token
+            self.pos.copy_(seen - self.pads)
         if self.statics is None and all(layer.key_store.n_tokens for layer in self.cache.layers):
             self._go_static()
         if self.statics is None:  # a layer has no packed page yet: a normal eager step
@@ -104,9 +124,13 @@ class DecodeGraph:
 
     def _forward(self) -> torch.Tensor:
         from kvcompress.compat import with_cache
+        from kvcompress.kernels.attention_backend import known_row_starts
 
-        out = self.model(input_ids=self.ids, position_ids=self.pos, use_cache=True, logits_to_keep=1,
-                         **with_cache(self.cache))
+        with contextlib.ExitStack() as scope:
+            if self.row_starts is not None:
+                scope.enter_context(known_row_starts(self.row_starts))
+            out = self.model(input_ids=self.ids, position_ids=self.pos, use_cache=True, logits_to_keep=1,
+                             **with_cache(self.cache))
         return out.logits[:, -1]
 
     def _go_static(self) -> None:

@@ -84,13 +84,14 @@ class StaticLayer:
             )
         return key_states, value_states
 
-    def parts(self) -> AttentionParts:
-        """What the kernel reads: the reserved buffers whole, the lengths on the device."""
+    def parts(self, row_starts: torch.Tensor | None = None) -> AttentionParts:
+        """What the kernel reads: the reserved buffers whole, the lengths on the device; row_starts [B]: left
+        padding (see AttentionParts)."""
         layer, ks, vs = self.layer, self.layer.key_store, self.layer.value_store
         key = PackedStream(ks.codec, ks.buffers, ks.row, ks.capacity)
         value = PackedStream(vs.codec, vs.buffers, vs.row, vs.capacity)
         return AttentionParts(key, value, layer.sink_k, layer.sink_v, self.tail_k, self.tail_v,
-                              body_lengths=self.body_len, tail_lengths=self.tail_n)
+                              body_lengths=self.body_len, row_starts=row_starts, tail_lengths=self.tail_n)
 
     # -- on the host, after each step ---------------------------------------------------------------
     def advance(self) -> None:

@@ -25,6 +25,7 @@ per-token attention the kernel returns. Nothing here imports transformers or Tri
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import torch
@@ -48,6 +49,21 @@ def end_forward() -> None:
     _local.fused = False
     _local.deferred = None
     _local.row_starts = None
+
+
+@contextlib.contextmanager
+def known_row_starts(row_starts: torch.Tensor):
+    """Inside the block, model forwards take these row starts [B] instead of reading the attention mask: a
+    captured decode step (kvcompress.graph) cannot read a mask, which takes a host sync."""
+    _local.known_starts = row_starts
+    try:
+        yield
+    finally:
+        _local.known_starts = None
+
+
+def known_starts() -> torch.Tensor | None:
+    return getattr(_local, "known_starts", None)
 
 
 def batch_has_padding(attention_mask) -> bool:

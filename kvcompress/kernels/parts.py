@@ -119,7 +119,7 @@ def layer_parts(layer, body_lengths: torch.Tensor | None = None,
     if not getattr(layer, "is_initialized", False):
         raise ValueError("the layer holds no tokens yet: call update() / append() first")
     if getattr(layer, "static", None) is not None:  # a decode graph's layer: fixed buffers, lengths on the device
-        return layer.static.parts()
+        return layer.static.parts(row_starts)
     if not layer.compressed:
         empty_k, empty_v = layer.tail_k[:, :, :0], layer.tail_v[:, :, :0]
         return AttentionParts(None, None, empty_k, empty_v, layer.tail_k, layer.tail_v, None, row_starts)
