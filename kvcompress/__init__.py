@@ -5,7 +5,7 @@
 
 from kvcompress.cache import CompressedCache
 from kvcompress.config import ConfigError, KVCompressConfig, LayerPolicy, QuantSpec, SparsitySpec
-from kvcompress.graph import DecodeGraph
+from kvcompress.graph import DecodeGraph, graph_generate
 from kvcompress.integration import disable, enable, enabled
 from kvcompress.layout.arch import ModelLayout
 from kvcompress.models import load_model
@@ -25,6 +25,7 @@ __all__ = [
     "disable",
     "enable",
     "enabled",
+    "graph_generate",
     "load_model",
     "preset_names",
     "__version__",

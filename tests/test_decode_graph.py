@@ -205,3 +205,30 @@ def test_a_cropped_cache_leaves_the_graph(model):
         cache.crop(PROMPT - 3)
         with pytest.raises(ConfigError, match="left the decode graph"):
             graph.step(tokens(1))
+
+
+@pytest.mark.compat  # transformers' decoding-method call differs between releases
+def test_generate_with_the_graph_method(model):
+    """model.generate(custom_generate=graph_generate): the same greedy tokens as transformers' own loop over
+    the same cache preset on the same fused path, for a left-padded batch; sampling runs the configured
+    logits processors (top_k=1 makes it greedy, so its tokens are known); an EOS stops its row and pads it,
+    as transformers' loop does."""
+    cfg = small_pages(model, "nuq4")
+    prompt = tokens(PROMPT, seed=6)
+    mask = torch.ones(2, PROMPT, dtype=torch.long)
+    mask[0, :4] = 0
+    kw = dict(input_ids=prompt, attention_mask=mask, max_new_tokens=12, pad_token_id=0)
+    want = model.generate(**kw, do_sample=False, **with_cache(CompressedCache(model.config, cfg)))
+    got = model.generate(**kw, do_sample=False, custom_generate=kvcompress.graph_generate,
+                         **with_cache(CompressedCache(model.config, cfg)))
+    assert got.shape == (2, PROMPT + 12) and torch.equal(got, want)
+    sampled = model.generate(**kw, do_sample=True, top_k=1, custom_generate=kvcompress.graph_generate,
+                             **with_cache(CompressedCache(model.config, cfg)))
+    assert torch.equal(sampled, want)
+    eos = int(want[1, PROMPT])  # row 1's first new token: that row stops at once
+    want = model.generate(**kw, do_sample=False, eos_token_id=eos, **with_cache(CompressedCache(model.config, cfg)))
+    stopped = model.generate(**kw, do_sample=False, eos_token_id=eos, custom_generate=kvcompress.graph_generate,
+                             **with_cache(CompressedCache(model.config, cfg)))
+    assert torch.equal(stopped, want) and (stopped[1, PROMPT + 1:] == 0).all()
+    with pytest.raises(ConfigError, match="CompressedCache"):
+        model.generate(**kw, custom_generate=kvcompress.graph_generate)

@@ -10,7 +10,8 @@ What is proved, on the GPU the speed numbers come from:
 - the Triton page encoder (append) writes bit-exactly the codec's fields on 8 heads x 4096 tokens;
 - Quest page scoring on 1024 pages equals the torch scores;
 - the MLA kernel (512-wide latent + 64 RoPE dims, 128 heads) equals its twin;
-- a DecodeGraph's replayed steps equal its eager steps and the growing cache's (nuq4, int4, fp8);
+- a DecodeGraph's replayed steps equal its eager steps and the growing cache's (nuq4, int4, fp8), with a
+  left-padded row; `generate(custom_generate=graph_generate)` gives generate's own greedy tokens;
 - a whole SmolLM2-135M generation: the lossless preset through the kvcompress attention gives the same
   tokens as SDPA, and every lossy preset's Triton decode steps give the torch path's logits (teacher
   forced on the torch path's tokens) within float32 rounding.
@@ -251,6 +252,33 @@ def test_decode_graph_replays_the_step(preset):
     assert worst_grow <= 2e-2, worst_grow
     assert same >= 0.95 * 3 * steps, same
     assert replayed.get_seq_length() == grow.get_seq_length() == 600 + steps
+
+
+@torch.no_grad()
+def test_graph_generate_equals_generate():
+    """model.generate(custom_generate=kvcompress.graph_generate) on the GPU (steps replayed from a CUDA
+    graph) gives transformers' own greedy tokens over the same nuq4 cache on the fused path: a 4-layer
+    float32 Llama (d 128), batch 2 with one row left-padded, 48 new tokens (float32: no near-ties flip)."""
+    import kvcompress
+    from conftest import make_tiny_model
+    from kvcompress.cache import CompressedCache
+    from kvcompress.compat import with_cache
+
+    if DEV != "cuda":
+        pytest.skip("CUDA graphs need a GPU")
+    model = make_tiny_model("llama", hidden_size=1024, num_attention_heads=8, num_key_value_heads=2, head_dim=128,
+                            num_hidden_layers=4, intermediate_size=1024, vocab_size=512,
+                            max_position_embeddings=2048).to(DEV)
+    kvcompress.enable(model)
+    prompt = torch.randint(3, 512, (2, 300), generator=torch.Generator().manual_seed(61)).to(DEV)
+    mask = torch.ones(2, 300, dtype=torch.long, device=DEV)
+    mask[1, :37] = 0
+    kw = dict(input_ids=prompt, attention_mask=mask, max_new_tokens=48, do_sample=False, pad_token_id=0)
+    want = model.generate(**kw, **with_cache(CompressedCache(model.config, "nuq4")))
+    got = model.generate(**kw, custom_generate=kvcompress.graph_generate,
+                         **with_cache(CompressedCache(model.config, "nuq4")))
+    kvcompress.disable(model)
+    assert torch.equal(got, want)
 
 
 def _on_cpu(layer):
