@@ -7,9 +7,11 @@
             outliers and over the bf16 latent, for reference.
 
 Every variant runs the whole layer (q/kv projections, RoPE, attention, o_proj) over a latent cache of
-T tokens held in a preallocated buffer (no per-step concatenation in any variant).
+T tokens held in a preallocated buffer (no per-step concatenation in any variant). With --graph every
+variant is captured once in a CUDA graph and the replays are timed: what the device needs per step,
+without the host's launch time (eager, one layer at batch 8 spends about 1 ms launching).
 
-    PYTHONPATH=. python benchmarks/mla_decode.py [--out bench_mla.md]
+    PYTHONPATH=. python benchmarks/mla_decode.py [--graph] [--cases 32768x8 8192x8] [--out bench_mla.md]
 """
 
 from __future__ import annotations
@@ -113,6 +115,25 @@ def time_ms(fn, warmup=3, reps=20) -> float:
     return statistics.median(times)
 
 
+def graph_ms(fn, warmup=3, reps=20) -> float:
+    """time_ms of the replays of `fn` captured in a CUDA graph (warm-up runs first, on a side stream)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    ms = time_ms(graph.replay, warmup=warmup, reps=reps)
+    del graph
+    return ms
+
+
+TIMER = time_ms  # graph_ms with --graph
+
+
 def tune(attn, hidden, pe, latent, b, t) -> dict:
     """Pick block_h / num_warps / splits for the fused kernel at one shape; prints every try."""
     best, best_ms = None, float("inf")
@@ -123,7 +144,7 @@ def tune(attn, hidden, pe, latent, b, t) -> dict:
                 launch = dict(block_h=block_h, num_warps=warps, num_splits=base * factor)
                 try:
                     fwd = fused_forward(attn, latent, launch)
-                    ms = time_ms(lambda: fwd(hidden, pe), warmup=2, reps=10)
+                    ms = TIMER(lambda: fwd(hidden, pe), warmup=2, reps=10)
                 except Exception as e:  # a config that does not compile (shared memory) is reported and skipped
                     print(f"  tune {launch}: failed ({type(e).__name__}: {str(e)[:120]})")
                     continue
@@ -137,11 +158,16 @@ def tune(attn, hidden, pe, latent, b, t) -> dict:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
+    ap.add_argument("--graph", action="store_true", help="time replays of a CUDA graph of each variant")
+    ap.add_argument("--cases", nargs="*", default=None, help="TxB shapes, e.g. 32768x8 (default: all four)")
     args = ap.parse_args()
+    global TIMER
+    TIMER = graph_ms if args.graph else time_ms
+    cases = [tuple(int(v) for v in c.split("x")) for c in args.cases] if args.cases else CASES
     dev = torch.device("cuda")
     cfg, attn, rope = deepseek_v3_layer(dev)
     rows, launch = [], None
-    for t, b in sorted(CASES, key=lambda c: -c[0] * c[1]):
+    for t, b in sorted(cases, key=lambda c: -c[0] * c[1]):
         g = torch.Generator(device=dev).manual_seed(t + b)
         kv = torch.randn(b, 1, t, 512, device=dev, dtype=torch.bfloat16, generator=g)
         kr = torch.randn(b, 1, t, 64, device=dev, dtype=torch.bfloat16, generator=g)
@@ -149,10 +175,10 @@ def main():
         pos = torch.full((b, 1), t, device=dev)
         pe = rope(hidden, pos)
         buf = LatentBuffer(kv, kr)
-        stock = time_ms(lambda: attn(hidden, pe, None, **with_cache(buf)))
+        stock = TIMER(lambda: attn(hidden, pe, None, **with_cache(buf)))
         ref = attn(hidden, pe, None, **with_cache(buf))[0].float()
         undo = patch_mla(attn)
-        absorbed = time_ms(lambda: attn(hidden, pe, None, **with_cache(buf)))
+        absorbed = TIMER(lambda: attn(hidden, pe, None, **with_cache(buf)))
         out_abs = attn(hidden, pe, None, **with_cache(buf))[0].float()
         undo()
         nuq = pack_latent(kv, kr, 0.01)
@@ -162,12 +188,12 @@ def main():
         run = dict(block_h=launch["block_h"], num_warps=launch["num_warps"],
                    num_splits=default_num_splits(b, 128, t, launch["block_h"]) * launch["split_factor"])
         fused = fused_forward(attn, nuq, run)
-        fused_ms = time_ms(lambda: fused(hidden, pe))
+        fused_ms = TIMER(lambda: fused(hidden, pe))
         out_fused = fused(hidden, pe)[0].float()
         plain = fused_forward(attn, pack_latent(kv, kr, 0.0), run)
-        plain_ms = time_ms(lambda: plain(hidden, pe))
+        plain_ms = TIMER(lambda: plain(hidden, pe))
         dense = fused_forward(attn, MlaLatent(kv=kv[:, 0], k_rot=kr[:, 0], latent_dim=512, page_size=PAGE), run)
-        dense_ms = time_ms(lambda: dense(hidden, pe))
+        dense_ms = TIMER(lambda: dense(hidden, pe))
         out_dense = dense(hidden, pe)[0].float()
         err_abs = ((out_abs - ref).norm() / ref.norm()).item()
         err_dense = ((out_dense - ref).norm() / ref.norm()).item()  # leaves the new token out: ~1/T
@@ -181,7 +207,8 @@ def main():
         "# MLA decode, one DeepSeek-V3 attention layer (128 heads, latent 512 + 64, bf16)",
         "",
         f"Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}; device: {torch.cuda.get_device_name()}; "
-        f"torch {torch.__version__}; command: `PYTHONPATH=. python benchmarks/mla_decode.py`; kernel launch: {launch}",
+        f"torch {torch.__version__}; command: `PYTHONPATH=. python benchmarks/mla_decode.py{' --graph' if args.graph else ''}`; "
+        f"timing: {'CUDA graph replays' if args.graph else 'eager'}; kernel launch: {launch}",
         "",
         "| T | B | stock (ms) | absorbed bf16 (ms) | fused nuq4+1% outl. (ms) | fused nuq4 no outl. (ms) | fused bf16 (ms) "
         "| stock/absorbed | absorbed/fused nuq4 | absorbed/fused nuq4 no outl. | rel.err absorbed | rel.err fused bf16 | SQNR fused nuq4 (dB) |",
