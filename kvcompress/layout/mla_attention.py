@@ -96,21 +96,18 @@ def absorbed_attention(
     t = kv_nope.shape[2]
     kv = kv_nope[:, 0].to(q_latent.dtype)  # [B, T, R]
     kr = k_rot[:, 0].to(q_rope.dtype)  # [B, T, Dr]
-    # Heads and queries share one key: one GEMM per batch row. The scores are held as [B, T, H*S] (keys
-    # first): every GEMM operand then has a leading dimension of R, Dr or H*S, never T, which is odd on
-    # most steps and sends cuBLAS to slow kernels (BENCHMARKS.md, MLA).
-    # the scaling goes into the (small) queries, so the scores need no pass of their own
-    scores = torch.bmm(kv, (q_latent * scaling).reshape(b, h * s, r).transpose(1, 2))  # [B, T, H*S]
-    scores = scores.baddbmm_(kr, (q_rope * scaling).reshape(b, h * s, -1).transpose(1, 2))
-    if mask is None:  # decode: one pass, float32 inside
-        probs = torch.softmax(scores, 1, dtype=torch.float32).to(kv.dtype)
-    else:  # additive [B|1, 1|H, S, T] -> [B|1, T, H*S]
-        m = mask.float().expand(mask.shape[0], h, s, t).reshape(mask.shape[0], h * s, t)
-        scores = scores.float() + m.transpose(1, 2)
-        probs = scores.softmax(1)
+    # heads and queries share one key: one GEMM per batch row, M = H * S
+    scores = torch.bmm(q_latent.reshape(b, h * s, r), kv.transpose(1, 2))  # [B, H*S, T]
+    scores = scores.baddbmm_(q_rope.reshape(b, h * s, -1), kr.transpose(1, 2))
+    scores = scores.view(b, h, s, t).float() * scaling
+    if mask is not None:
+        scores = scores + mask.float()
+    probs = scores.softmax(-1)
+    if mask is not None:
         # a query with every key masked (left padding): zero output instead of NaN
-        probs = probs.masked_fill(scores.amax(1, keepdim=True) == float("-inf"), 0.0).to(kv.dtype)
-    return torch.bmm(probs.transpose(1, 2), kv).view(b, h, s, r)
+        probs = probs.masked_fill(scores.amax(-1, keepdim=True) == float("-inf"), 0.0)
+    probs = probs.to(kv.dtype)
+    return torch.bmm(probs.view(b, h * s, t), kv).view(b, h, s, r)
 
 
 def absorb_query(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
