@@ -47,6 +47,9 @@ class CompressedLayer(CacheLayerMixin):
         self.cumulative_length = 0  # tokens seen (positions), may exceed what is held after eviction
         self.sparse = None  # a kvcompress.sparse SparseState when the policy has sparsity
         self.static = None  # a kvcompress.graph StaticLayer while a DecodeGraph holds this layer
+        # MLA: the absorbed attention reads the latent update() returns, so update() must always return it
+        # (the fused GQA path, which defers it, does not serve these layers)
+        self.mla_latent = False
 
     # `keys` / `values`: the dense states, for code that reads a layer's tensors directly.
     @property
@@ -360,6 +363,7 @@ class CompressedCache(Cache):
                 layers.append(CompressedSlidingLayer(sliding_window=self.layout.sliding_window, layer_idx=i))
             else:
                 layers.append(CompressedLayer(policy, layer_idx=i))
+                layers[-1].mla_latent = self.layout.attention == "mla"
         super().__init__(layers=layers)
         attach_sparsity(self)
 

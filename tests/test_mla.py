@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+import kvcompress
 from kvcompress import CompressedCache, KVCompressConfig, ModelLayout
 from kvcompress.compat import with_cache
 from kvcompress.kernels.mla_decode import (
@@ -291,3 +292,28 @@ def test_deepseek_v2_absorbed_matches_stock():
     finally:
         undo()
     assert _rel_err(absorbed, stock) <= 1e-4
+
+
+@torch.no_grad()
+def test_enable_with_the_fused_backend(deepseek, monkeypatch):
+    """Under kvcompress.enable on the fused backend (what CUDA gets by default; here Triton's interpreter),
+    a compressed MLA cache still hands the absorbed attention its latent: the same logits as the torch
+    backend. (The GQA fused path used to defer these layers too, and the second layer then raised.)
+    DecodeGraph says it does not capture MLA models."""
+    ids = torch.randint(3, 256, (2, 72), generator=torch.Generator().manual_seed(5))
+    runs = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv("KVCOMPRESS_KERNELS", backend)
+        kvcompress.enable(deepseek)
+        try:
+            cache = CompressedCache(deepseek.config, "nuq4")
+            steps = [deepseek(ids, **with_cache(cache)).logits[:, -1]]
+            for i in range(3):
+                steps.append(deepseek(ids[:, i:i + 1], **with_cache(cache)).logits[:, -1])
+            runs[backend] = torch.stack(steps)
+            if backend == "triton":
+                with pytest.raises(kvcompress.ConfigError, match="MLA"):
+                    kvcompress.DecodeGraph(deepseek, cache, max_tokens=100, use_graph=False)
+        finally:
+            kvcompress.disable(deepseek)
+    torch.testing.assert_close(runs["triton"], runs["torch"])

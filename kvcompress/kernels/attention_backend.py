@@ -92,6 +92,8 @@ def fused_supported(layer) -> bool:
 
     if not getattr(layer, "is_initialized", False) or not getattr(layer, "compressed", False):
         return False  # lossless layers return their tail as is: SDPA reads it without any decode
+    if getattr(layer, "mla_latent", False):
+        return False  # absorbed MLA attends over the latent update() returns (kvcompress.layout.mla_attention)
     if not (stream_supported(layer.key_store.codec) and stream_supported(layer.value_store.codec)):
         return False
     if layer.tail_k.dtype not in _DTYPES:
