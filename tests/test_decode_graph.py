@@ -37,8 +37,14 @@ ATOL, RTOL = 1e-4, 1e-3
 
 @pytest.fixture(scope="module")
 def model():
-    m = make_tiny_model("llama", hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
-                        intermediate_size=256, num_hidden_layers=2)
+    m = make_tiny_model(
+        "llama",
+        hidden_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=256,
+        num_hidden_layers=2,
+    )
     kvcompress.enable(m)
     yield m
     kvcompress.disable(m)
@@ -76,8 +82,8 @@ def test_fixed_address_steps_equal_the_growing_cache(model, preset):
     addresses = None
     with torch.no_grad():
         for i in range(steps):
-            want = model(new[:, i:i + 1], **with_cache(ref)).logits[:, -1]
-            got = graph.step(new[:, i:i + 1])
+            want = model(new[:, i : i + 1], **with_cache(ref)).logits[:, -1]
+            got = graph.step(new[:, i : i + 1])
             torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
             layer = cache.layers[1]
             now = [t.data_ptr() for t in (*layer.key_store.buffers.values(), layer.static.tail_k)]
@@ -87,7 +93,9 @@ def test_fixed_address_steps_equal_the_growing_cache(model, preset):
     assert cache.layers[1].key_store.n_pages > ref.layers[1].key_store.n_pages - 1 >= 3  # pages were flushed
     assert cache.get_seq_length() == ref.get_seq_length() == PROMPT + steps
     assert cache.layers[0].held_tokens == ref.layers[0].held_tokens
-    assert cache.memory_report()["held_bytes"] >= ref.memory_report()["held_bytes"]  # the reservation is charged
+    assert (
+        cache.memory_report()["held_bytes"] >= ref.memory_report()["held_bytes"]
+    )  # the reservation is charged
 
 
 def test_release_gives_back_a_growing_cache(model):
@@ -96,11 +104,15 @@ def test_release_gives_back_a_growing_cache(model):
     graph = DecodeGraph(model, cache, max_tokens=PROMPT + 6, use_graph=False)
     with torch.no_grad():
         for i in range(12):
-            want = model(new[:, i:i + 1], **with_cache(ref)).logits[:, -1]
+            want = model(new[:, i : i + 1], **with_cache(ref)).logits[:, -1]
             if i == 6:
                 graph.release()
                 assert all(layer.static is None for layer in cache.layers)
-            got = graph.step(new[:, i:i + 1]) if i < 6 else model(new[:, i:i + 1], **with_cache(cache)).logits[:, -1]
+            got = (
+                graph.step(new[:, i : i + 1])
+                if i < 6
+                else model(new[:, i : i + 1], **with_cache(cache)).logits[:, -1]
+            )
             torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
     for a, b in zip(ref.layers[0].dense(), cache.layers[0].dense()):
         torch.testing.assert_close(a, b)
@@ -134,7 +146,7 @@ def test_steps_before_the_first_page_run_eagerly(model):
         graph.step(new[:, :1])
         assert graph.statics is None
         for i in range(1, 12):
-            graph.step(new[:, i:i + 1])
+            graph.step(new[:, i : i + 1])
     assert graph.statics is not None and cache.get_seq_length() == 17
 
 
@@ -155,7 +167,7 @@ def test_left_padded_batch(model):
         ref, cache = caches
         graph = DecodeGraph(model, cache, max_tokens=PROMPT + 10, use_graph=False, attention_mask=mask)
         for i in range(10):
-            t = new[:, i:i + 1]
+            t = new[:, i : i + 1]
             mask = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1)
             step_pos = mask.sum(-1, keepdim=True) - 1
             want = model(t, attention_mask=mask, position_ids=step_pos, **with_cache(ref)).logits[:, -1]
@@ -165,7 +177,9 @@ def test_left_padded_batch(model):
     with pytest.raises(ConfigError, match="left padding"):
         holes = torch.ones(2, PROMPT, dtype=torch.long)
         holes[0, 5] = 0
-        DecodeGraph(model, prefilled(model, cfg, prompt), max_tokens=64, use_graph=False, attention_mask=holes)
+        DecodeGraph(
+            model, prefilled(model, cfg, prompt), max_tokens=64, use_graph=False, attention_mask=holes
+        )
 
 
 def test_bad_use_is_a_clear_error(model):
@@ -219,16 +233,32 @@ def test_generate_with_the_graph_method(model):
     mask[0, :4] = 0
     kw = dict(input_ids=prompt, attention_mask=mask, max_new_tokens=12, pad_token_id=0)
     want = model.generate(**kw, do_sample=False, **with_cache(CompressedCache(model.config, cfg)))
-    got = model.generate(**kw, do_sample=False, custom_generate=kvcompress.graph_generate,
-                         **with_cache(CompressedCache(model.config, cfg)))
+    got = model.generate(
+        **kw,
+        do_sample=False,
+        custom_generate=kvcompress.graph_generate,
+        **with_cache(CompressedCache(model.config, cfg)),
+    )
     assert got.shape == (2, PROMPT + 12) and torch.equal(got, want)
-    sampled = model.generate(**kw, do_sample=True, top_k=1, custom_generate=kvcompress.graph_generate,
-                             **with_cache(CompressedCache(model.config, cfg)))
+    sampled = model.generate(
+        **kw,
+        do_sample=True,
+        top_k=1,
+        custom_generate=kvcompress.graph_generate,
+        **with_cache(CompressedCache(model.config, cfg)),
+    )
     assert torch.equal(sampled, want)
     eos = int(want[1, PROMPT])  # row 1's first new token: that row stops at once
-    want = model.generate(**kw, do_sample=False, eos_token_id=eos, **with_cache(CompressedCache(model.config, cfg)))
-    stopped = model.generate(**kw, do_sample=False, eos_token_id=eos, custom_generate=kvcompress.graph_generate,
-                             **with_cache(CompressedCache(model.config, cfg)))
-    assert torch.equal(stopped, want) and (stopped[1, PROMPT + 1:] == 0).all()
+    want = model.generate(
+        **kw, do_sample=False, eos_token_id=eos, **with_cache(CompressedCache(model.config, cfg))
+    )
+    stopped = model.generate(
+        **kw,
+        do_sample=False,
+        eos_token_id=eos,
+        custom_generate=kvcompress.graph_generate,
+        **with_cache(CompressedCache(model.config, cfg)),
+    )
+    assert torch.equal(stopped, want) and (stopped[1, PROMPT + 1 :] == 0).all()
     with pytest.raises(ConfigError, match="CompressedCache"):
         model.generate(**kw, custom_generate=kvcompress.graph_generate)

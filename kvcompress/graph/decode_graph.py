@@ -39,8 +39,14 @@ WARMUP = 2  # eager fixed-address steps before the capture
 
 
 class DecodeGraph:
-    def __init__(self, model, cache, max_tokens: int, use_graph: bool | None = None,
-                 attention_mask: torch.Tensor | None = None):
+    def __init__(
+        self,
+        model,
+        cache,
+        max_tokens: int,
+        use_graph: bool | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ):
         from kvcompress.cache import CompressedCache, CompressedLayer
         from kvcompress.kernels.attention_backend import left_padding
         from kvcompress.kernels.backend import select_backend
@@ -48,30 +54,38 @@ class DecodeGraph:
         if not isinstance(cache, CompressedCache):
             raise ConfigError(f"DecodeGraph needs a CompressedCache, got {type(cache).__name__}")
         if getattr(model, "_kvcompress_hooks", None) is None:
-            raise ConfigError("DecodeGraph runs the fused kvcompress path: call kvcompress.enable(model) first")
+            raise ConfigError(
+                "DecodeGraph runs the fused kvcompress path: call kvcompress.enable(model) first"
+            )
         device = next(model.parameters()).device
         if select_backend(device) != "triton":
             raise ConfigError(
-                "DecodeGraph runs the fused Triton kernels: use a CUDA model (or KVCOMPRESS_KERNELS=triton with "
-                "TRITON_INTERPRET=1 on CPU, use_graph=False)"
+                "DecodeGraph runs the fused Triton kernels: use a CUDA model (or KVCOMPRESS_KERNELS=triton "
+                "with TRITON_INTERPRET=1 on CPU, use_graph=False)"
             )
         for layer in cache.layers:
             if not isinstance(layer, CompressedLayer):
-                raise ConfigError(f"layer {layer.layer_idx} is a sliding-window layer; DecodeGraph supports "
-                                  "full-attention models only")
+                raise ConfigError(
+                    f"layer {layer.layer_idx} is a sliding-window layer; DecodeGraph supports "
+                    "full-attention models only"
+                )
             if layer.mla_latent:
-                raise ConfigError("DecodeGraph does not capture MLA models yet (their absorbed attention reads the "
-                                  "latent through update()); decode them eagerly")
+                raise ConfigError(
+                    "DecodeGraph does not capture MLA models yet (their absorbed attention reads the "
+                    "latent through update()); decode them eagerly"
+                )
             if not layer.is_initialized:
                 raise ConfigError("prefill the prompt through the cache before building a DecodeGraph")
             if not layer.compressed or layer.sparse is not None:
                 raise ConfigError(
-                    f"layer {layer.layer_idx} is {'lossless' if not layer.compressed else 'sparse'}: a captured "
-                    "step needs every layer quantized and without a sparsity policy (nuq4, int4, fp8, ...)"
+                    f"layer {layer.layer_idx} is {'lossless' if not layer.compressed else 'sparse'}: a "
+                    "captured step needs every layer quantized and and not sparse (nuq4, int4, fp8, ...)"
                 )
         seen = cache.get_seq_length()
         if max_tokens <= seen:
-            raise ConfigError(f"max_tokens ({max_tokens}) must exceed the tokens already in the cache ({seen})")
+            raise ConfigError(
+                f"max_tokens ({max_tokens}) must exceed the tokens already in the cache ({seen})"
+            )
         self.model, self.cache, self.max_tokens, self.device = model, cache, max_tokens, device
         self.use_graph = device.type == "cuda" if use_graph is None else use_graph
         if self.use_graph and device.type != "cuda":
@@ -86,11 +100,15 @@ class DecodeGraph:
         self.row_starts = self.pads = None  # left padding: each row's first real position, [B]
         if attention_mask is not None:
             if attention_mask.dim() != 2 or attention_mask.shape != (batch, seen):
-                raise ValueError(f"attention_mask must be the prompt's [batch, tokens] = [{batch}, {seen}] mask, "
-                                 f"got {list(attention_mask.shape)}")
+                raise ValueError(
+                    f"attention_mask must be the prompt's [batch, tokens] = [{batch}, {seen}] mask, "
+                    f"got {list(attention_mask.shape)}"
+                )
             readable, starts = left_padding(attention_mask.to(device))
             if not readable:
-                raise ConfigError("DecodeGraph reads left padding only (each row's padding before its first token)")
+                raise ConfigError(
+                    "DecodeGraph reads left padding only (each row's padding before its first token)"
+                )
             if starts is not None:
                 self.row_starts, self.pads = starts, starts.to(torch.long).view(batch, 1)
 
@@ -132,8 +150,13 @@ class DecodeGraph:
         with contextlib.ExitStack() as scope:
             if self.row_starts is not None:
                 scope.enter_context(known_row_starts(self.row_starts))
-            out = self.model(input_ids=self.ids, position_ids=self.pos, use_cache=True, logits_to_keep=1,
-                             **with_cache(self.cache))
+            out = self.model(
+                input_ids=self.ids,
+                position_ids=self.pos,
+                use_cache=True,
+                logits_to_keep=1,
+                **with_cache(self.cache),
+            )
         return out.logits[:, -1]
 
     def _go_static(self) -> None:
@@ -155,8 +178,8 @@ class DecodeGraph:
         for layer, s in zip(self.cache.layers, self.statics):
             if layer.static is not s:
                 raise ConfigError(
-                    f"layer {layer.layer_idx} left the decode graph (cropped, reordered or reset); build a new "
-                    "DecodeGraph"
+                    f"layer {layer.layer_idx} left the decode graph (cropped, reordered or reset); "
+                    "build a new DecodeGraph"
                 )
 
     def release(self) -> None:

@@ -23,8 +23,16 @@ from kvcompress.config import ConfigError
 
 
 @torch.no_grad()
-def graph_generate(model, input_ids: torch.LongTensor, logits_processor, stopping_criteria, generation_config,
-                   synced_gpus: bool = False, streamer=None, **model_kwargs) -> torch.LongTensor:
+def graph_generate(
+    model,
+    input_ids: torch.LongTensor,
+    logits_processor,
+    stopping_criteria,
+    generation_config,
+    synced_gpus: bool = False,
+    streamer=None,
+    **model_kwargs,
+) -> torch.LongTensor:
     """transformers decoding method (see the module doc): returns the prompt and new tokens [B, T + n]."""
     from kvcompress.cache import CompressedCache
     from kvcompress.compat import with_cache
@@ -34,8 +42,10 @@ def graph_generate(model, input_ids: torch.LongTensor, logits_processor, stoppin
     if not isinstance(cache, CompressedCache):
         raise ConfigError("graph_generate needs a CompressedCache: pass past_key_values=CompressedCache(...)")
     if getattr(generation_config, "num_beams", 1) > 1 or generation_config.return_dict_in_generate:
-        raise ConfigError("graph_generate does greedy search and sampling only, returning the token ids "
-                          "(num_beams=1, return_dict_in_generate=False)")
+        raise ConfigError(
+            "graph_generate does greedy search and sampling only, returning the token ids "
+            "(num_beams=1, return_dict_in_generate=False)"
+        )
     if cache.get_seq_length():
         raise ConfigError("graph_generate prefills the prompt itself: pass an empty CompressedCache")
     mask = model_kwargs.get("attention_mask")
@@ -43,8 +53,14 @@ def graph_generate(model, input_ids: torch.LongTensor, logits_processor, stoppin
     positions = None
     if mask is not None and not bool(mask.all()):
         positions = (mask.long().cumsum(-1) - 1).clamp_min(0)
-    logits = model(input_ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1,
-                   **with_cache(cache)).logits[:, -1]
+    logits = model(
+        input_ids,
+        attention_mask=mask,
+        position_ids=positions,
+        use_cache=True,
+        logits_to_keep=1,
+        **with_cache(cache),
+    ).logits[:, -1]
     max_length = generation_config.max_length
     graph = None
     pad = generation_config._pad_token_tensor
@@ -52,7 +68,9 @@ def graph_generate(model, input_ids: torch.LongTensor, logits_processor, stoppin
     if streamer is not None:
         streamer.put(input_ids.cpu())
     while True:
-        scores = logits_processor(input_ids, logits.to(torch.float32, copy=True))  # the graph reuses its buffer
+        scores = logits_processor(
+            input_ids, logits.to(torch.float32, copy=True)
+        )  # the graph reuses its buffer
         if generation_config.do_sample:
             token = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
         else:
@@ -66,7 +84,9 @@ def graph_generate(model, input_ids: torch.LongTensor, logits_processor, stoppin
         if not bool(unfinished.any()) or input_ids.shape[1] >= max_length:
             break
         if graph is None:
-            graph = DecodeGraph(model, cache, max_tokens=max_length, attention_mask=mask if positions is not None else None)
+            graph = DecodeGraph(
+                model, cache, max_tokens=max_length, attention_mask=mask if positions is not None else None
+            )
         logits = graph.step(token[:, None])
     if streamer is not None:
         streamer.end()

@@ -33,8 +33,8 @@ class StaticLayer:
         p = layer.policy
         if not layer.is_initialized or not layer.compressed or layer.sparse is not None:
             raise ConfigError(
-                f"layer {layer.layer_idx}: a captured decode step needs a compressed layer without a sparsity "
-                "policy (quantization presets such as nuq4, int4, fp8)"
+                f"layer {layer.layer_idx}: a captured decode step needs a compressed layer without a "
+                "sparsity policy (quantization presets such as nuq4, int4, fp8)"
             )
         if layer.key_store.n_tokens == 0:
             raise ConfigError(f"layer {layer.layer_idx} holds no packed page yet: decode until it does")
@@ -52,7 +52,9 @@ class StaticLayer:
         self.n_tail = layer.tail_k.shape[2]
         dev = self.tail_k.device
         self.tail_n = torch.tensor([self.n_tail], dtype=torch.int64, device=dev)
-        self.body_len = torch.full((self.tail_k.shape[0],), layer.key_store.n_tokens, dtype=torch.int32, device=dev)
+        self.body_len = torch.full(
+            (self.tail_k.shape[0],), layer.key_store.n_tokens, dtype=torch.int32, device=dev
+        )
         self._flush_if_due()
         self._views()
 
@@ -68,7 +70,7 @@ class StaticLayer:
 
     # -- inside the step (captured) ---------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor):
-        """Write the new token [B, H, 1, D] into the tail on the device; the fused kernel does the attention."""
+        """Write the new token [B, H, 1, D] into the tail on the device; the fused kernel attends."""
         if key_states.shape[2] != 1:
             raise ConfigError(
                 f"layer {self.layer.layer_idx} is in a decode graph: it takes one token per step, got "
@@ -90,8 +92,17 @@ class StaticLayer:
         layer, ks, vs = self.layer, self.layer.key_store, self.layer.value_store
         key = PackedStream(ks.codec, ks.buffers, ks.row, ks.capacity)
         value = PackedStream(vs.codec, vs.buffers, vs.row, vs.capacity)
-        return AttentionParts(key, value, layer.sink_k, layer.sink_v, self.tail_k, self.tail_v,
-                              body_lengths=self.body_len, row_starts=row_starts, tail_lengths=self.tail_n)
+        return AttentionParts(
+            key,
+            value,
+            layer.sink_k,
+            layer.sink_v,
+            self.tail_k,
+            self.tail_v,
+            body_lengths=self.body_len,
+            row_starts=row_starts,
+            tail_lengths=self.tail_n,
+        )
 
     # -- on the host, after each step ---------------------------------------------------------------
     def advance(self) -> None:
@@ -108,14 +119,14 @@ class StaticLayer:
         ks, vs = self.layer.key_store, self.layer.value_store
         if ks.n_tokens + p > ks.capacity:
             raise ConfigError(
-                f"the decode graph was built for max_tokens={self.max_tokens} and layer {self.layer.layer_idx} "
-                "is full; build a new DecodeGraph with a larger max_tokens"
+                f"the decode graph was built for max_tokens={self.max_tokens} and layer "
+                f"{self.layer.layer_idx} is full; build a new DecodeGraph with a larger max_tokens"
             )
         ks.append(self.tail_k[:, :, :p])
         vs.append(self.tail_v[:, :, :p])
         rest = self.n_tail - p
-        self.tail_k[:, :, :rest] = self.tail_k[:, :, p:self.n_tail].clone()
-        self.tail_v[:, :, :rest] = self.tail_v[:, :, p:self.n_tail].clone()
+        self.tail_k[:, :, :rest] = self.tail_k[:, :, p : self.n_tail].clone()
+        self.tail_v[:, :, :rest] = self.tail_v[:, :, p : self.n_tail].clone()
         self.n_tail = rest
         self.tail_n.fill_(rest)
         self.body_len.fill_(ks.n_tokens)
