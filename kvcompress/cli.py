@@ -20,10 +20,17 @@ def main():
 @click.option("--max-new-tokens", "-n", default=64, show_default=True, type=click.IntRange(1, 100_000))
 @click.option("--device", default=None, help="cpu, cuda, ... (default: where the model loads)")
 @click.option("--chat/--no-chat", default=True, show_default=True, help="Wrap the prompt in the chat template.")
-def generate(model, prompt, preset, max_new_tokens, device, chat):
-    """Generate greedily with a CompressedCache and print the text and the memory report."""
+@click.option("--graph", is_flag=True,
+              help="Decode through kvcompress.DecodeGraph: the fused kernels, each step replayed from one CUDA "
+                   "graph (a GPU, and a quantization preset without sparsity).")
+def generate(model, prompt, preset, max_new_tokens, device, chat, graph):
+    """Generate greedily with a CompressedCache and print the text, the decode time and the memory report."""
+    import time
+
+    import kvcompress
     from kvcompress.cache import CompressedCache
     from kvcompress.compat import with_cache
+    from kvcompress.config import ConfigError
     from kvcompress.models import load_model
     from kvcompress.report import print_memory_report
 
@@ -34,8 +41,19 @@ def generate(model, prompt, preset, max_new_tokens, device, chat):
         text = prompt
     inputs = tok(text, return_tensors="pt").to(m.device)
     cache = CompressedCache(m.config, preset)
-    out = m.generate(**inputs, **with_cache(cache), max_new_tokens=max_new_tokens, do_sample=False)
+    extra = {}
+    if graph:
+        kvcompress.enable(m)
+        extra["custom_generate"] = kvcompress.graph_generate
+    start = time.perf_counter()
+    try:
+        out = m.generate(**inputs, **with_cache(cache), max_new_tokens=max_new_tokens, do_sample=False, **extra)
+    except ConfigError as e:
+        raise click.ClickException(str(e)) from e
+    seconds = time.perf_counter() - start
+    new_tokens = out.shape[1] - inputs["input_ids"].shape[1]
     click.echo(tok.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))
+    click.echo(f"[{new_tokens} tokens in {seconds:.2f} s, prefill included{', decode graph' if graph else ''}]")
     print_memory_report(cache.memory_report(), title=f"KV cache memory ({cache.kv_config.name})")
 
 

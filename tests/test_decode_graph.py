@@ -262,3 +262,24 @@ def test_generate_with_the_graph_method(model):
     assert torch.equal(stopped, want) and (stopped[1, PROMPT + 1 :] == 0).all()
     with pytest.raises(ConfigError, match="CompressedCache"):
         model.generate(**kw, custom_generate=kvcompress.graph_generate)
+
+
+def test_cli_generate_with_the_graph(smollm2, monkeypatch):
+    """`kvcompress generate --graph` on SmolLM2 (fused kernels in the interpreter, fixed-address steps): the
+    same text as plain `kvcompress generate` over the same preset; without the fused backend, a clear error."""
+    from click.testing import CliRunner
+
+    from kvcompress.cli import main
+
+    prompt = "The KV cache grows with the context, so long prompts need memory. " * 4  # > a page per layer
+    args = ["generate", "smollm2-135m", prompt, "-p", "nuq4", "-n", "3", "--no-chat"]
+    plain = CliRunner().invoke(main, args)
+    assert plain.exit_code == 0, plain.output
+    monkeypatch.setenv("KVCOMPRESS_KERNELS", "triton")
+    graphed = CliRunner().invoke(main, [*args, "--graph"])
+    assert graphed.exit_code == 0, graphed.output
+    assert "decode graph" in graphed.output
+    assert graphed.output.splitlines()[0] == plain.output.splitlines()[0]
+    monkeypatch.setenv("KVCOMPRESS_KERNELS", "torch")
+    refused = CliRunner().invoke(main, [*args, "--graph"])
+    assert refused.exit_code != 0 and "fused Triton kernels" in refused.output
