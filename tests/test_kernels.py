@@ -235,6 +235,23 @@ def test_triton_left_padding(name):
     assert rel_err(want[1:2], ref) < 1e-5
 
 
+def test_affine_levels_are_found_once():
+    """Evenly spaced nuq levels (the page-range keys' default codebook) are read as lo + step * c, so the phase
+    kernel decodes those keys as integers; other codebooks keep their lookup. Found once per codec."""
+    from kvcompress.kernels.streams import _affine_levels
+
+    keys = make_codec(SPECS["nuq4-kout"][0], page_size=16, head_dim=64, num_heads=2, dtype=torch.float32,
+                      tensors={}, seed=0)
+    lo, step = _affine_levels(keys)
+    assert lo == pytest.approx(-1.0) and step == pytest.approx(2 / 15)
+    values = make_codec(SPECS["nuq4-kout"][1], page_size=16, head_dim=64, num_heads=2, dtype=torch.float32,
+                        tensors={}, seed=1)
+    assert _affine_levels(values) is None
+    keys.codebook = keys.codebook.clone()
+    keys.codebook[3] += 0.01
+    assert _affine_levels(keys) == (lo, step)  # cached: a codec's codebook is fixed once it exists
+
+
 @pytest.mark.parametrize("name", ["int4", "nuq4-kout", "fp8", "nuq3-page"])
 def test_tail_length_on_the_device(name):
     """A tail buffer longer than its valid part (a captured decode step's), with the length in a device

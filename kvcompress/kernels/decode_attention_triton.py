@@ -579,13 +579,17 @@ def decode_attention_triton(
     if by_phase:
         gq = _next_pow2(group)
         magic, shift = phase.phase_magic(key_args.kind, key_args.bits, dot)
+        k_affine = key_args.affine_levels  # evenly spaced nuq key levels: decoded as integers, no lookup
+        k_magic, k_shift = phase.phase_magic(KIND_INT, key_args.bits, dot) if k_affine else (magic, shift)
+        k_lo, k_step = k_affine or (0.0, 1.0)
         kernel, extra = phase._phase_split_kernel, dict(
             KIND=key_args.kind, BITS=key_args.bits, V_GROUP=value_args.group, V_HAS_ZERO=value_args.has_zero,
             K_NOUT=key_args.n_outliers, K_KCP=max(16, _next_pow2(key_args.n_outliers)),
             OPB=block_n // page_size, LUT=phase.LUTS[lut or "shuffle"],
             PHK=fast.phases(key_args, dk), PHV=fast.phases(value_args, dv), WK=fast.words(key_args, dk),
             WV=fast.words(value_args, dv), K_WB=fast.word_bits(key_args, dk), V_WB=fast.word_bits(value_args, dv),
-            MAGIC=magic, SHIFT=shift, GQ=gq, NGP=_next_pow2(max(dv // value_args.group, -(-8 // gq))))
+            MAGIC=magic, SHIFT=shift, GQ=gq, NGP=_next_pow2(max(dv // value_args.group, -(-8 // gq))),
+            K_AFFINE=k_affine is not None, K_MAGIC=k_magic, K_SHIFT=k_shift, k_lo=k_lo, k_step=k_step)
         num_warps = num_warps or 1  # measured on an H200 (BENCHMARKS.md): one warp per program
     elif paged and fast.is_fp8(key_args) and fast.is_fp8(value_args):
         from kvcompress.kernels.decode_fp8_triton import _fp8_split_kernel

@@ -151,7 +151,7 @@ def _phase_split_kernel(
     TK, tk_sb, tk_sh, tk_sn, TV, tv_sb, tv_sh, tv_sn, n_tail, TLEN,
     LENS, STARTS, n_body, PL, pl_sb, pl_sh, n_sel, tokens_per_split, n_body_splits,
     M_OUT, L_OUT, ACC_OUT, SCORES, sc_sb, sc_sh,
-    qk_scale,
+    qk_scale, k_lo, k_step,
     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     P: tl.constexpr, BN: tl.constexpr, DBN: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr,
     V_GROUP: tl.constexpr, V_HAS_ZERO: tl.constexpr, K_NOUT: tl.constexpr, K_KCP: tl.constexpr,
@@ -160,13 +160,18 @@ def _phase_split_kernel(
     WRITE_SCORES: tl.constexpr, DOT_FP32: tl.constexpr, DT: tl.constexpr,
     PHK: tl.constexpr, PHV: tl.constexpr, WK: tl.constexpr, WV: tl.constexpr, K_WB: tl.constexpr,
     V_WB: tl.constexpr, MAGIC: tl.constexpr, SHIFT: tl.constexpr, GQ: tl.constexpr, NGP: tl.constexpr,
+    K_AFFINE: tl.constexpr, K_MAGIC: tl.constexpr, K_SHIFT: tl.constexpr,
 ):
     """Grid (B * Hkv, body splits + 1). Partial rows per (b, query head): one per body split, then the exact
     parts (sinks, tail) at n_body_splits. KIND: int (3) or nuq (4); GQ: G rounded up to a power of two;
-    NGP: value channel groups (DV / V_GROUP) rounded up so that RV = NGP * GQ >= 8 columns."""
+    NGP: value channel groups (DV / V_GROUP) rounded up so that RV = NGP * GQ >= 8 columns. K_AFFINE: nuq
+    keys whose levels are evenly spaced, lo + step * c (k_lo, k_step): decoded as integer codes (K_MAGIC,
+    K_SHIFT) with the page scale and zero folded, no level lookup."""
     RV: tl.constexpr = NGP * GQ
     NG: tl.constexpr = DV // V_GROUP
     IS_INT: tl.constexpr = KIND == 3
+    K_INT: tl.constexpr = IS_INT or K_AFFINE  # keys enter the dots as integer codes
+    K_KIND: tl.constexpr = 3 if K_AFFINE else KIND
     C: tl.constexpr = 1 << (BITS - 1)
     tl.static_assert(BN % P == 0)
     pid_bh = tl.program_id(0)
@@ -217,14 +222,17 @@ def _phase_split_kernel(
             qi = tl.load(q_cols + (wk * PHK + I)[:, None], mask=gh_ok[None, :], other=0.0)
             qph = qph + (qi.to(tl.float32),)
         if KIND == 4 and LUT == 0:  # nuq levels in registers
-            klev = _levels(kcb, 1 << BITS, DT)
             vlev = _levels(vcb, 1 << BITS, DT)
         elif KIND == 4 and LUT == 2:
-            klev = tl.load(kcb + tl.arange(0, 1 << BITS)).to(DT)
             vlev = tl.load(vcb + tl.arange(0, 1 << BITS)).to(DT)
         else:
-            klev = 0
             vlev = 0
+        if K_KIND == 4 and LUT == 0:
+            klev = _levels(kcb, 1 << BITS, DT)
+        elif K_KIND == 4 and LUT == 2:
+            klev = tl.load(kcb + tl.arange(0, 1 << BITS)).to(DT)
+        else:
+            klev = 0
         m_i = tl.full([GQ], NEG_BIG, tl.float32)
         l_i = tl.zeros([GQ], tl.float32)
         z_acc = tl.zeros([RV], tl.float32)  # added to every channel of the column (value zeros, SHIFT)
@@ -256,14 +264,19 @@ def _phase_split_kernel(
                 fix = tl.zeros([WK, GQ], tl.float32)
                 for I in tl.static_range(PHK):
                     ch = wk * PHK + I
-                    qs = qph[I] * tl.load(ks + kpage * ks_sn + ch).to(tl.float32)[:, None]
+                    k_s = tl.load(ks + kpage * ks_sn + ch).to(tl.float32)
+                    k_z = tl.load(kz + kpage * ks_sn + ch).to(tl.float32)
+                    if K_AFFINE:  # x = z + s * (lo + step * c) = (z + s * lo) + (s * step) * c
+                        k_z = k_z + k_s * k_lo
+                        k_s = k_s * k_step
+                    qs = qph[I] * k_s[:, None]
                     qd = _cast(qs, DOT_FP32, DT)
-                    fix += qph[I] * tl.load(kz + kpage * ks_sn + ch).to(tl.float32)[:, None]
-                    if IS_INT:
-                        # codes enter as c + SHIFT: (SHIFT + C) comes out with the same rounded operand and
+                    fix += qph[I] * k_z[:, None]
+                    if K_INT:
+                        # codes enter as c + K_SHIFT: (K_SHIFT + C) comes out with the same rounded operand and
                         # C goes back unrounded, so the operand's rounding multiplies the centred codes
-                        fix += C * qs - (SHIFT + C) * qd.to(tl.float32)
-                    codes = _phase(kw, I, BITS, MAGIC, SHIFT, DOT_FP32, DT, KIND, LUT, klev, kcb)
+                        fix += C * qs - (K_SHIFT + C) * qd.to(tl.float32)
+                    codes = _phase(kw, I, BITS, K_MAGIC, K_SHIFT, DOT_FP32, DT, K_KIND, LUT, klev, kcb)
                     part = _mma(codes, qd, part, DOT_FP32)
                 sT = tl.where(((t // P) == j)[:, None], part + tl.sum(fix, 0)[None, :], sT)
             if K_NOUT > 0:  # exact key outliers: (exact - coded) . q, one sparse one-hot dot per tile

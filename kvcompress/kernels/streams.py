@@ -51,6 +51,9 @@ class StreamArgs:
     has_zero: bool
     n_outliers: int
     rotation_signs: torch.Tensor | None
+    # nuq levels evenly spaced (the page-range keys' default codebook): level(c) = lo + step * c, so a
+    # kernel may decode them as integers (no lookup); None otherwise
+    affine_levels: tuple[float, float] | None = None
 
 
 def stream_args(codec: Codec, data: dict[str, torch.Tensor], row: dict[str, torch.Tensor]) -> StreamArgs:
@@ -66,7 +69,7 @@ def stream_args(codec: Codec, data: dict[str, torch.Tensor], row: dict[str, torc
     a = dict(
         codes=codes, scale=none, zero=none, scale_strides=(0, 0, 0, 0), codebook=none, codebook_head_stride=0,
         outlier_idx=none, outlier_val=none, kind=KIND_DENSE, bits=8, scale_at=SCALE_NONE, group=d,
-        has_zero=False, n_outliers=0, rotation_signs=None,
+        has_zero=False, n_outliers=0, rotation_signs=None, affine_levels=None,
     )
     if isinstance(codec, IdentityCodec):
         return StreamArgs(**a)
@@ -99,6 +102,7 @@ def stream_args(codec: Codec, data: dict[str, torch.Tensor], row: dict[str, torc
         codec.codebook = cb = cb.float().contiguous()
     a.update(kind=KIND_NUQ, bits=codec.nbits, codebook=cb, codebook_head_stride=cb.shape[-1] if cb.dim() == 2 else 0)
     a["rotation_signs"] = codec.rotation_signs
+    a["affine_levels"] = _affine_levels(codec)
     if codec.axis == "channel":
         if codec._calibrated_channels:
             mean = codec.channel_mean.to(device, torch.float32).contiguous()  # [H, D]
@@ -119,6 +123,24 @@ def stream_args(codec: Codec, data: dict[str, torch.Tensor], row: dict[str, torc
         _same_strides(data["outlier_idx"], data["outlier_val"], "outlier_idx", "outlier_val")
         a.update(outlier_idx=data["outlier_idx"], outlier_val=data["outlier_val"], n_outliers=codec.n_outliers)
     return StreamArgs(**a)
+
+
+def _affine_levels(codec: NuqCodec) -> tuple[float, float] | None:
+    """(lo, step) when the codec's one codebook is evenly spaced, else None. Read once per codec (the
+    codebook is fixed once the codec exists) so that decode steps, captured ones included, never sync."""
+    cached = codec.__dict__.get("_affine_levels", "unset")
+    if cached != "unset":
+        return cached
+    cb = codec.codebook
+    found = None
+    if cb.dim() == 1 and cb.numel() > 1:
+        levels = cb.detach().double().cpu()
+        lo, step = float(levels[0]), float(levels[-1] - levels[0]) / (levels.numel() - 1)
+        line = lo + step * torch.arange(levels.numel(), dtype=torch.float64)
+        if step > 0 and float((levels - line).abs().max()) <= 1e-6 * float(levels.abs().max()):
+            found = (lo, step)
+    codec.__dict__["_affine_levels"] = found
+    return found
 
 
 def _strides4(t: torch.Tensor) -> tuple[int, int, int, int]:
