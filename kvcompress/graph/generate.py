@@ -63,7 +63,7 @@ def graph_generate(
     ).logits[:, -1]
     max_length = generation_config.max_length
     graph = None
-    pad = generation_config._pad_token_tensor
+    pad = generation_config._pad_token_tensor  # set by generate()'s preparation (5.17 and 5.24 alike)
     unfinished = torch.ones(batch, dtype=torch.bool, device=input_ids.device)
     if streamer is not None:
         streamer.put(input_ids.cpu())
