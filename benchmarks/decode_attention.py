@@ -48,10 +48,11 @@ def preset_policy(name: str):
 def method_spec(name: str):
     """key spec, value spec, page size, sinks, tail tokens (the residual window half full, on average).
     "NAME-noout": the preset without outliers (to see what they cost); "NAME-vtok": values scaled per token;
-    "NAME-paged": a preset on decode_paged_triton instead of decode_phase_triton."""
+    "NAME-paged": a preset on decode_paged_triton instead of decode_phase_triton; "fp8-static": fp8 as
+    `calibrate --preset fp8` makes it (static scales per head, streams shifted per channel)."""
     from dataclasses import replace
 
-    name = name.removesuffix("-paged")
+    name = name.removesuffix("-paged").removesuffix("-static")
     p = preset_policy(name.removesuffix("-noout").removesuffix("-vtok"))
     if name.endswith("-noout"):
         p = replace(p, key=replace(p.key, outlier_fraction=0.0), value=replace(p.value, outlier_fraction=0.0))
@@ -76,8 +77,14 @@ def build_parts(method: str, b: int, n: int, seed: int = 0) -> AttentionParts:
 
     streams = []
     for s, spec in enumerate((key_spec, value_spec)):
-        codec = make_codec(spec, page_size=page, head_dim=D, num_heads=HKV, dtype=DTYPE, tensors={}, seed=s).to("cuda")
         x = rnd(chunk, gain=s == 0)
+        tensors = {}
+        if method.endswith("-static"):  # calibration's tensors, taken from this data
+            shift = x.float().mean((0, 2))  # [H, D]
+            amax = (x.float() - shift[None, :, None]).abs().amax((0, 2, 3))
+            tensors = {"shift": shift, "scale": 2 * amax / 448}
+        codec = make_codec(spec, page_size=page, head_dim=D, num_heads=HKV, dtype=DTYPE, tensors=tensors,
+                           seed=s).to("cuda")
         row = codec.prepare(x)
         fields = codec.encode(x, row)
         del x

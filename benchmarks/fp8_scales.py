@@ -6,7 +6,10 @@ logits q.k with the exact ones (SQNR in dB, all layers, sinks excluded as the fp
 - dynamic: a scale per token and head, absmax / 448 (the fp8 preset), so each token's largest element
   lands exactly on the grid's top value;
 - dynamic, offset: the same scale times 1.0437, so that element no longer lands on a grid point;
-- static: one scale per (layer, kv head), twice the absmax over the text / 448 (what calibration gives).
+- static: one scale per (layer, kv head), twice the absmax over the text / 448 (an engine's static scale);
+- static, shifted: the keys' channel means over the text removed first (and added back), then static
+  scales of what is left (what `calibrate --preset fp8` gives; benchmarks/fp8_calibrated.py measures it
+  out of sample).
 
     python benchmarks/fp8_scales.py [N]
 """
@@ -48,22 +51,24 @@ def e4m3(x, scale):
     return (x / scale).clamp(-FMAX, FMAX).to(torch.float8_e4m3fn).float() * scale
 
 
-err = {"dynamic": 0.0, "dynamic, offset": 0.0, "static": 0.0}
+err = {"dynamic": 0.0, "dynamic, offset": 0.0, "static": 0.0, "static, shifted": 0.0}
 total = 0.0
 for q, k in seen:
     g = q.shape[1] // k.shape[1]
     k = k[:, :, SINKS:]
     q = q[:, :, SINKS:]
     amax = k.abs().amax(-1, keepdim=True)
+    mean = k.mean(2, keepdim=True)
     scales = {
         "dynamic": (amax / FMAX).half().float(),
         "dynamic, offset": (amax / FMAX).half().float() * 1.0437,
         "static": 2 * k.abs().amax((2, 3), keepdim=True) / FMAX,
+        "static, shifted": 2 * (k - mean).abs().amax((2, 3), keepdim=True) / FMAX,
     }
     ref = q @ k.repeat_interleave(g, 1).transpose(2, 3)
     total += float(ref.pow(2).sum())
     for name, s in scales.items():
-        kq = e4m3(k, s).repeat_interleave(g, 1)
+        kq = (e4m3(k - mean, s) + mean if name == "static, shifted" else e4m3(k, s)).repeat_interleave(g, 1)
         err[name] += float((q @ kq.transpose(2, 3) - ref).pow(2).sum())
 print(f"SmolLM2-135M, {N} tokens of eval.txt, {len(seen)} layers: SQNR of the attention logits q.k with E4M3 keys")
 for name, e in err.items():

@@ -36,8 +36,9 @@ def write_json(path: str | os.PathLike, doc) -> None:
 
 
 def write_safetensors(path: str | os.PathLike, tensors: dict, metadata: dict | None = None) -> None:
-    """Write a safetensors file (contiguous CPU copies of `tensors`), atomically."""
+    """Write a safetensors file (contiguous CPU copies of `tensors`, so entries that share memory, e.g. one
+    tensor under two names, are written separately), atomically."""
     from safetensors.torch import save_file
 
     with atomic_path(path, ".safetensors") as tmp:
-        save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
+        save_file({k: v.detach().to("cpu", copy=True).contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)

@@ -24,9 +24,11 @@ QUANT_AXES = ("channel", "token", "page")
 CODEBOOKS = ("gaussian", "laplace", "student_t5")
 SPARSITY_METHODS = ("none", "streaming", "h2o", "snapkv", "quest")
 # Per-stream tensors a config may carry (key.<name> / value.<name>), and per-layer ones.
-# fp8_scale: calibrated static FP8 scales [H] of a stream not stored as FP8, kept for serving-engine exports.
+# fp8_scale: calibrated static FP8 scales [H] of the stream as it is (no shift), kept for serving-engine
+# exports. shift: an FP8 stream's per-channel shift [H, D] (x = fp8 * scale + shift).
 STREAM_TENSORS = (
     "codebook", "scale", "channel_mean", "channel_scale", "outlier_threshold", "rotation_signs", "fp8_scale",
+    "shift",
 )
 LAYER_TENSORS = ()
 _TENSOR_KEY = re.compile(r"^layers\.(\d+)\.(key|value)\.([a-z][a-z0-9_]*)$")

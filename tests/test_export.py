@@ -24,7 +24,7 @@ def _scales(i: int, stream: int) -> torch.Tensor:
 
 
 def fp8_config() -> KVCompressConfig:
-    """An FP8 config with static scales, as `calibrate --preset fp8` writes it."""
+    """An FP8 config with static scales and no shift (a hand-written one)."""
     cfg = KVCompressConfig.from_preset("fp8", LAYOUT)
     for i in range(LAYOUT.num_layers):
         cfg = cfg.with_layer(i, tensors={"key.scale": _scales(i, 0), "value.scale": _scales(i, 1)})
@@ -36,6 +36,21 @@ def nuq4_config(with_scales: bool) -> KVCompressConfig:
     if with_scales:
         for i in range(LAYOUT.num_layers):
             cfg = cfg.with_layer(i, tensors={"key.fp8_scale": _scales(i, 0), "value.fp8_scale": _scales(i, 1)})
+    return cfg
+
+
+def shifted_fp8_config() -> KVCompressConfig:
+    """An FP8 config as `calibrate --preset fp8` writes it: streams shifted per channel, static scales of
+    the shifted streams ("scale"), and of the unshifted ones ("fp8_scale", what an engine takes)."""
+    cfg = KVCompressConfig.from_preset("fp8", LAYOUT)
+    d = LAYOUT.key_head_dim
+    for i in range(LAYOUT.num_layers):
+        t = {}
+        for s, stream in enumerate(("key", "value")):
+            t[f"{stream}.shift"] = torch.full((2, d), 0.5)
+            t[f"{stream}.scale"] = _scales(i, s) / 4
+            t[f"{stream}.fp8_scale"] = _scales(i, s)
+        cfg = cfg.with_layer(i, tensors=t)
     return cfg
 
 
@@ -62,6 +77,17 @@ def test_vllm_export_parses_with_compressed_tensors(tmp_path):
         assert k.dtype == torch.float32 and k.shape == ()
         assert float(k) == float(_scales(i, 0).max()) and float(v) == float(_scales(i, 1).max())
     _no_temp_files(tmp_path)
+
+
+def test_shifted_fp8_exports_the_scales_of_the_unshifted_streams(tmp_path):
+    """An engine's FP8 cache has no shift: it gets the scales of the streams as they are, and the shift is
+    reported as not reproduced without blocking the export."""
+    res = export_vllm(shifted_fp8_config(), str(tmp_path))
+    assert any("shifted per channel" in line for line in res.not_mapped)
+    t = load_file(str(tmp_path / "kv_cache_scales.safetensors"))
+    for i in range(LAYOUT.num_layers):
+        assert float(t[f"model.layers.{i}.self_attn.k_scale"]) == float(_scales(i, 0).max())
+        assert float(t[f"model.layers.{i}.self_attn.v_scale"]) == float(_scales(i, 1).max())
 
 
 def test_vllm_per_head_export_and_merge_into_model_config(tmp_path):

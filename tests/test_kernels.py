@@ -58,6 +58,24 @@ SPECS = {
     "nuq4-rot": (QuantSpec(method="nuq", bits=4, rotation=True), QuantSpec(method="nuq", bits=4, rotation=True)),
     "fp8": (QuantSpec(method="fp8"), QuantSpec(method="fp8")),
     "fp8-e5m2": (QuantSpec(method="fp8", fp8_format="e5m2"), QuantSpec(method="fp8", fp8_format="e5m2")),
+    # calibrated fp8: static scales per head on streams shifted per channel (fp8 kernel), and fp8 shifted
+    # keys beside nuq4 values (paged kernel)
+    "fp8-shift": (QuantSpec(method="fp8"), QuantSpec(method="fp8")),
+    "fp8-shift-k": (QuantSpec(method="fp8"), QuantSpec(method="nuq", bits=4, axis="token")),
+}
+
+
+def _fp8_shift_tensors(stream, hkv, d):
+    """Calibration-like tensors of a shifted fp8 stream: a shift [H, D] with large channel means and
+    static per-head scales [H] of the shifted stream."""
+    g = torch.Generator().manual_seed(40 + stream)
+    return {"shift": 3 * torch.randn(hkv, d, generator=g), "scale": (6 + torch.rand(hkv, generator=g)) / 448}
+
+
+# calibrated tensors of a spec's streams: fn(stream index, kv heads, head dim) -> {name: tensor}
+TENSORS = {
+    "fp8-shift": _fp8_shift_tensors,
+    "fp8-shift-k": lambda s, hkv, d: _fp8_shift_tensors(s, hkv, d) if s == 0 else {},
 }
 
 
@@ -73,8 +91,11 @@ def make_parts(name, *, b=2, hkv=2, d=64, pages=3, page=16, sinks=3, tail=5, len
 
     streams = []
     for s, spec in enumerate(SPECS[name]):
-        codec = make_codec(spec, page_size=page, head_dim=d, num_heads=hkv, dtype=dtype, tensors={}, seed=s)
+        tensors = TENSORS[name](s, hkv, d) if name in TENSORS else {}
+        codec = make_codec(spec, page_size=page, head_dim=d, num_heads=hkv, dtype=dtype, tensors=tensors, seed=s)
         x = rnd(n)
+        if "shift" in tensors:  # the stream's channel means are the shift (as calibration finds them)
+            x = x + tensors["shift"][None, :, None, :].to(dtype)
         row = codec.prepare(x)
         streams.append(PackedStream(codec, codec.encode(x, row), row, n))
     lens = None if lengths is None else torch.tensor(lengths, dtype=torch.int32)
@@ -168,6 +189,16 @@ def test_triton_matches_twin_each_codec(name):
     """d=64, GQA 3, ragged batch (the second row's last page partly valid), sinks and tail."""
     parts = make_parts(name, b=2, hkv=2, d=64, pages=3, lengths=[48, 29], seed=8)
     check_triton(parts, torch.randn(2, 6, 64, generator=torch.Generator().manual_seed(9)))
+
+
+@needs_triton
+@pytest.mark.parametrize("name", ["fp8", "fp8-e5m2", "fp8-shift"])
+def test_fp8_kernel_with_fp16_operands(name):
+    """A 16-bit cache: the fp8 kernel's dots take fp16 operands converted straight from the codes (on a GPU
+    the bf16 model's path too). fp16 inputs, so the tolerance is fp16's (measured 3e-4 to 5e-4)."""
+    parts = make_parts(name, b=2, hkv=2, d=64, pages=3, lengths=[48, 29], seed=8, dtype=torch.float16)
+    q = torch.randn(2, 6, 64, generator=torch.Generator().manual_seed(9)).half()
+    check_triton(parts, q, tol=2e-3)
 
 
 @needs_triton

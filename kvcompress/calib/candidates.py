@@ -1,9 +1,10 @@
 """The per-stream choices calibration picks from (fp8 / nuq4 / nuq3 / nuq2), with their fitted tensors.
 
 A LayerFits fits each choice of a layer once (codebooks are the slow part) and serves them to the
-sensitivity measurement, the allocation and the final config. Static FP8 scales are computed for every
-stream whatever it is quantized with, under "<stream>.scale" where the stream is FP8 (the codec uses
-them) and "<stream>.fp8_scale" elsewhere (kept for serving-engine exports).
+sensitivity measurement, the allocation and the final config. FP8 streams get a per-channel shift
+and static scales of the shifted stream ("<stream>.shift", "<stream>.scale"; the codec uses them).
+Every stream also gets "<stream>.fp8_scale", static FP8 scales of the stream as it is, which is what a
+serving engine's FP8 cache can take (exports).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvcompress.calib.collect import LayerStats
-from kvcompress.calib.fit import fit_nuq_tensors, fp8_scales
+from kvcompress.calib.fit import fit_nuq_tensors, fp8_scales, fp8_shift_tensors
 from kvcompress.config import ConfigError, LayerPolicy, QuantSpec
 
 CANDIDATES = ("fp8", "nuq4", "nuq3", "nuq2")
@@ -48,8 +49,7 @@ class LayerFits:
     def spec_tensors(self, spec: QuantSpec, stream: str) -> dict:
         """Calibrated tensors for one stream quantized as `spec` ({} where nothing is calibrated)."""
         if spec.method == "fp8":
-            return {f"{stream}.scale": fp8_scales(self.stats.key_amax if stream == "key" else self.stats.value_amax,
-                                                  spec.fp8_format)}
+            return {f"{stream}.{name}": t for name, t in fp8_shift_tensors(self.stats, stream, spec.fp8_format).items()}
         if spec.method == "nuq" and not spec.rotation:
             key = (stream, spec.bits, spec.axis, spec.outlier_fraction)
             if key not in self._cache:
@@ -75,11 +75,10 @@ class LayerFits:
 
 
 def with_fp8_scales(policy: LayerPolicy, fits: LayerFits) -> LayerPolicy:
-    """The policy with "<stream>.fp8_scale" added for each stream that is not FP8 with static scales."""
+    """The policy with "<stream>.fp8_scale" (static FP8 scales of the unshifted stream) for each stream."""
     tensors = dict(policy.tensors)
-    for stream, spec in (("key", policy.key), ("value", policy.value)):
-        if not (spec.method == "fp8" and f"{stream}.scale" in tensors):
-            tensors[f"{stream}.fp8_scale"] = fits.fp8_scale(stream)
+    for stream in ("key", "value"):
+        tensors[f"{stream}.fp8_scale"] = fits.fp8_scale(stream)
     return LayerPolicy(
         key=policy.key, value=policy.value, page_size=policy.page_size, residual=policy.residual,
         sinks=policy.sinks, sparsity=policy.sparsity, tensors=tensors,

@@ -117,6 +117,15 @@ def fit_nuq_tensors(stats: LayerStats, stream: str, bits: int, fraction: float, 
 FP8_HEADROOM = 2.0
 
 
+def fp8_shift_tensors(stats: LayerStats, stream: str, fmt: str = "e4m3") -> dict[str, torch.Tensor]:
+    """An FP8 stream's per-channel shift (its calibrated channel means, [H, D]) and the static scales [H]
+    of what is left: headroom * the largest |x - shift| over the sampled tokens / the format's max."""
+    mean, _ = channel_stats(stats, stream)
+    x, _ = _samples(stats, stream)
+    amax = (x.float() - mean[:, None, :]).abs().amax((1, 2))
+    return {"shift": mean, "scale": fp8_scales(amax, fmt)}
+
+
 def fp8_scales(amax: torch.Tensor, fmt: str = "e4m3", headroom: float = FP8_HEADROOM) -> torch.Tensor:
     """Static FP8 scales [H] float32: headroom * amax / the format's max (448 for e4m3); dequant = fp8 * scale."""
     fmax = float(torch.finfo(FP8_DTYPES[fmt]).max)

@@ -38,11 +38,13 @@ class Fp8Scales:
 
 
 def _stream_scale(policy: LayerPolicy, stream: str) -> torch.Tensor | None:
+    """Static FP8 scales of the stream as it is: an engine's FP8 cache has no per-channel shift, so the
+    scales of a shifted stream ("<stream>.scale" beside "<stream>.shift") are not the engine's."""
     spec = policy.key if stream == "key" else policy.value
-    if spec.method == "fp8" and f"{stream}.scale" in policy.tensors:
-        return policy.tensors[f"{stream}.scale"].float()
     if f"{stream}.fp8_scale" in policy.tensors:
         return policy.tensors[f"{stream}.fp8_scale"].float()
+    if spec.method == "fp8" and f"{stream}.scale" in policy.tensors and f"{stream}.shift" not in policy.tensors:
+        return policy.tensors[f"{stream}.scale"].float()
     return None
 
 
@@ -91,14 +93,20 @@ def fp8_scales_for_export(cfg: KVCompressConfig, allow_partial: bool = False) ->
             "(any calibrated config carries FP8 scales)."
         )
     lost: dict[str, list[int]] = {}
-    # Exact windows are the same FP8 cache with a few tokens kept better: the engine keeps them in FP8 too,
-    # which the scales describe correctly, so they are reported as not mapped but do not block the export.
+    # Exact windows and per-channel shifts are the same FP8 cache made more accurate: the engine stores those
+    # tokens in FP8 too, or the stream without its shift, which the exported scales (of the unshifted
+    # stream) describe correctly, so they are reported as not mapped but do not block the export.
     windows: dict[str, list[int]] = {}
     for i, p in enumerate(cfg.layers):
         for stream in ("key", "value"):
             d = _describe(p, stream)
             if d:
                 lost.setdefault(f"{stream}s: {d}", []).append(i)
+            if f"{stream}.shift" in p.tensors and not d:
+                windows.setdefault(
+                    f"{stream}s shifted per channel before FP8 (the engine stores them unshifted, with the scales "
+                    f"of the unshifted {stream}s)", []
+                ).append(i)
         if p.sinks and not p.is_lossless:
             windows.setdefault(f"first {p.sinks} tokens kept exact (sinks; the engine stores them in FP8)", []).append(i)
         if p.residual and not p.is_lossless:

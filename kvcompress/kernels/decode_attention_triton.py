@@ -515,6 +515,7 @@ def decode_attention_triton(
     splits: int | None = None,
     lut: str | None = None,
     phase_kernel: bool = True,
+    fp8_f16: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Fused decode attention; same signature and result as `decode_attention_torch`.
 
@@ -527,7 +528,8 @@ def decode_attention_triton(
     registers, the phase kernel only; the paged kernel reads "shuffle" as "gather"; None: measured best on
     an H200, "shuffle" in the phase kernel, "select" in the paged one), phase_kernel: False keeps the
     caches that decode_phase_triton reads (KIVI int2 / int4, nuq4 / nuq2 keys per page) on
-    decode_paged_triton (to compare the two).
+    decode_paged_triton (to compare the two), fp8_f16: False keeps fp8 caches' dots in the model dtype
+    (to compare; True: fp16 operands, see decode_fp8_triton).
     """
     if lut not in (None, "select", "gather", "shuffle"):
         raise ValueError(f"lut must be 'select', 'gather' or 'shuffle', got {lut!r}")
@@ -594,7 +596,7 @@ def decode_attention_triton(
     elif paged and fast.is_fp8(key_args) and fast.is_fp8(value_args):
         from kvcompress.kernels.decode_fp8_triton import _fp8_split_kernel
 
-        kernel = _fp8_split_kernel
+        kernel, extra = _fp8_split_kernel, dict(F16=fp8_f16 and dtype != torch.float32)
     elif paged:
         block_n, ppi = fast.paged_block(key_args, value_args, page_size, block_n)
         k_magic, k_shift = fast.magic(key_args, dk, dot, True)

@@ -1,9 +1,12 @@
-"""The fused decode attention's body path for fp8 caches (both streams fp8, scales per token or per head).
+"""The fused decode attention's body path for fp8 caches (both streams fp8; scales per token, per head, or
+per channel with a per-channel shift).
 
 Same launch arguments and result as `_paged_split_kernel` (decode_paged_triton.py) with one body row per
 query head (PPI = 1), whose torch twin is `decode_attention_torch`. fp8 bytes are cheap to decode, so
 the dots keep the query rows as M (one dot [GP, D] x [D, BN] for the scores, one [GP, BN] x [BN, D] for
-the output) and the per-token scales fold into the scores and the probabilities. Measured on an H200
+the output) and the per-token scales fold into the scores and the probabilities. Per-channel key scales
+fold into the query once, and a key shift adds q.shift to every score; per-channel value scales and a
+value shift apply once to the split's sum, acc * scale + l * shift. Measured on an H200
 (BENCHMARKS.md): this orientation reads an fp8 cache at 1.3-1.4x bf16 SDPA, where the transposed one
 of the 2-8-bit kernel reaches 0.9x.
 """
@@ -24,6 +27,16 @@ from kvcompress.kernels.decode_attention_triton import (
 )
 
 
+@triton.jit
+def _fp8_f16(c, KIND: tl.constexpr):
+    """fp8 bytes (uint8) as fp16, exactly: one conversion instruction per pair on sm_89+."""
+    if KIND == 1:
+        x = c.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    else:
+        x = c.to(tl.float8e5, bitcast=True).to(tl.float16)
+    return x
+
+
 @triton.jit(do_not_specialize=LENGTH_ARGS)
 def _fp8_split_kernel(
     Q, q_sb, q_sh,
@@ -41,10 +54,13 @@ def _fp8_split_kernel(
     V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_SCALE_AT: tl.constexpr, V_GROUP: tl.constexpr,
     V_HAS_ZERO: tl.constexpr, V_NOUT: tl.constexpr, V_KCP: tl.constexpr,
     HAS_BODY: tl.constexpr, HAS_LENS: tl.constexpr, HAS_TLEN: tl.constexpr, HAS_STARTS: tl.constexpr, HAS_PL: tl.constexpr,
-    WRITE_SCORES: tl.constexpr, DOT_FP32: tl.constexpr, DT: tl.constexpr,
+    WRITE_SCORES: tl.constexpr, DOT_FP32: tl.constexpr, DT: tl.constexpr, F16: tl.constexpr = False,
 ):
     """Grid (B * Hkv, body splits + 1); partial row of split s at s, the exact parts at n_body_splits.
-    Scales: SCALE_AT 1 (per token, folded into the scores / probabilities) or 4 (per head)."""
+    Scales: SCALE_AT 1 (per token, folded into the scores / probabilities), 4 (per head) or 3 (per row and
+    channel, with a shift when HAS_ZERO). F16: the body's dots take fp16 operands, so fp8 codes convert
+    to them in one hardware step (bf16 would go through float32); the queries enter clamped to fp16's
+    range, the value scales apply after the dot unless they are per token."""
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
     n_splits = n_body_splits + 1
@@ -81,6 +97,18 @@ def _fp8_split_kernel(
         vs = VS + b64 * vs_sb + h * vs_sh
         pl = PL + b64 * pl_sb + h * pl_sh
         len_b, n_logical = _body_extent(LENS, b, n_body, n_sel, HAS_LENS, HAS_PL, P)
+        qz = tl.zeros([GP], tl.float32)
+        q_s = q
+        if K_SCALE_AT == 3:  # per channel: fold the scales into the query, the shift into one number per row
+            q_s = q * tl.load(ks + dk * ks_sc).to(tl.float32)[None, :]
+            if K_HAS_ZERO:
+                qz = tl.sum(q * tl.load(KZ + b64 * ks_sb + h * ks_sh + dk * ks_sc).to(tl.float32)[None, :], 1)
+        if F16:
+            q_b = tl.minimum(tl.maximum(q_s, -65504.0), 65504.0).to(tl.float16)
+        else:
+            q_b = _cast(q_s, DOT_FP32, DT)
+        V_LATE: tl.constexpr = V_SCALE_AT == 3 or (F16 and V_SCALE_AT == 4)  # value scales after the dot
+        V_F16: tl.constexpr = F16 and V_SCALE_AT != 1
         rows = tl.arange(0, BN)
         start = split * tokens_per_split
         end = tl.minimum(start + tokens_per_split, n_logical)
@@ -94,9 +122,14 @@ def _fp8_split_kernel(
                 tok = l
                 ok = (l < n_logical) & (tok + n_sink >= row_first)
             kb = tl.load(kc + tok[:, None] * kc_sn + dk[None, :], mask=ok[:, None], other=0)
-            s = _dot(q_dot, tl.trans(_cast(_value_of(kb, KS, K_KIND), DOT_FP32, DT)), DOT_FP32)  # [GP, BN]
+            if F16:
+                s = tl.dot(q_b, tl.trans(_fp8_f16(kb, K_KIND)))  # [GP, BN]
+            else:
+                s = _dot(q_b, tl.trans(_cast(_value_of(kb, KS, K_KIND), DOT_FP32, DT)), DOT_FP32)
             if K_SCALE_AT == 1:
                 s = s * tl.load(ks + tok * ks_sn, mask=ok, other=0.0).to(tl.float32)[None, :]
+            elif K_SCALE_AT == 3:
+                s = s + qz[:, None]
             else:
                 s = s * tl.load(ks).to(tl.float32)
             s = tl.where(ok[None, :], s * qk_scale, float("-inf"))
@@ -108,12 +141,23 @@ def _fp8_split_kernel(
             l_i = l_i * alpha + tl.sum(p, 1)
             if V_SCALE_AT == 1:
                 pv = p * tl.load(vs + tok * vs_sn, mask=ok, other=0.0).to(tl.float32)[None, :]
+            elif V_LATE:  # applied to the split's sum below
+                pv = p
             else:
                 pv = p * tl.load(vs).to(tl.float32)
             vb = tl.load(vc + tok[:, None] * vc_sn + dv[None, :], mask=ok[:, None], other=0)
-            acc = acc * alpha[:, None] + _dot(_cast(pv, DOT_FP32, DT), _cast(_value_of(vb, VS, V_KIND), DOT_FP32, DT),
-                                              DOT_FP32)
+            if V_F16:
+                acc = acc * alpha[:, None] + tl.dot(pv.to(tl.float16), _fp8_f16(vb, V_KIND))
+            else:
+                acc = acc * alpha[:, None] + _dot(_cast(pv, DOT_FP32, DT), _cast(_value_of(vb, VS, V_KIND), DOT_FP32, DT),
+                                                  DOT_FP32)
             m_i = m_new
+        if V_SCALE_AT == 4 and V_LATE:
+            acc = acc * tl.load(vs).to(tl.float32)
+        if V_SCALE_AT == 3:
+            acc = acc * tl.load(vs + dv * vs_sc).to(tl.float32)[None, :]
+            if V_HAS_ZERO:
+                acc += l_i[:, None] * tl.load(VZ + b64 * vs_sb + h * vs_sh + dv * vs_sc).to(tl.float32)[None, :]
     tl.store(ACC_OUT + out_row[:, None] * DV + dv[None, :], acc, mask=g_ok[:, None])
     tl.store(M_OUT + out_row, m_i, mask=g_ok)
     tl.store(L_OUT + out_row, l_i, mask=g_ok)

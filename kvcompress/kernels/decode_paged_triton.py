@@ -70,7 +70,7 @@ def paged_supported(a: StreamArgs, head_dim: int, page_size: int, is_key: bool) 
     if wb < 0 or a.codes.stride(2) % (wb // 8) or a.codes.data_ptr() % 4:
         return False  # word loads need >= 16 words per token and aligned rows
     if is_fp8(a):
-        return a.scale_at in (SCALE_TOKEN, SCALE_HEAD) and a.group == head_dim
+        return a.scale_at in (SCALE_TOKEN, SCALE_HEAD) and a.group == head_dim or a.scale_at == SCALE_ROW
     if a.kind not in (KIND_INT, KIND_NUQ) or a.bits not in (2, 4, 8):
         return False
     if a.n_outliers and page_size < 16:

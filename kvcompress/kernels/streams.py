@@ -28,6 +28,8 @@ SCALE_NONE, SCALE_TOKEN, SCALE_PAGE, SCALE_ROW, SCALE_HEAD = 0, 1, 2, 3, 4
 def stream_supported(codec: Codec) -> bool:
     if isinstance(codec, NuqCodec):
         return codec.codebook.dim() in (1, 2)
+    if isinstance(codec, Fp8Codec) and codec.channel_shift is not None:
+        return codec.static_scale is not None  # a shift with per-token scales: no kernel reads it
     return isinstance(codec, (Fp8Codec, IdentityCodec, UniformCodec))
 
 
@@ -75,7 +77,12 @@ def stream_args(codec: Codec, data: dict[str, torch.Tensor], row: dict[str, torc
         return StreamArgs(**a)
     if isinstance(codec, Fp8Codec):
         a["kind"] = KIND_FP8E4 if codec.fmt == "e4m3" else KIND_FP8E5
-        if codec.static_scale is not None:
+        if codec.channel_shift is not None:  # x = fp8 * scale + shift, read per row and channel
+            codec.to(device)
+            scale, shift = _fp8_row_tensors(codec, device)
+            a.update(scale=scale, zero=shift, has_zero=True, scale_at=SCALE_ROW, group=1,
+                     scale_strides=(0, scale.stride(0), 0, scale.stride(1)))
+        elif codec.static_scale is not None:
             codec.to(device)
             a["scale"], a["scale_at"] = codec.static_scale.float().contiguous(), SCALE_HEAD
             a["scale_strides"] = (0, a["scale"].stride(0), 0, 0)
@@ -123,6 +130,19 @@ def stream_args(codec: Codec, data: dict[str, torch.Tensor], row: dict[str, torc
         _same_strides(data["outlier_idx"], data["outlier_val"], "outlier_idx", "outlier_val")
         a.update(outlier_idx=data["outlier_idx"], outlier_val=data["outlier_val"], n_outliers=codec.n_outliers)
     return StreamArgs(**a)
+
+
+def _fp8_row_tensors(codec: Fp8Codec, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A shifted FP8 stream's static scales broadcast to [H, D] and its shift [H, D], float32 on `device`;
+    made once per codec and device so that decode steps, captured ones included, allocate nothing."""
+    cached = codec.__dict__.get("_row_tensors")
+    if cached is not None and cached[0].device == device:
+        return cached
+    h, d = codec.channel_shift.shape
+    scale = codec.static_scale.to(device, torch.float32).view(h, 1).expand(h, d).contiguous()
+    shift = codec.channel_shift.to(device, torch.float32).contiguous()
+    codec.__dict__["_row_tensors"] = (scale, shift)
+    return scale, shift
 
 
 def _affine_levels(codec: NuqCodec) -> tuple[float, float] | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcompress.config import QuantSpec
+from kvcompress.config import ConfigError, QuantSpec
 from kvcompress.quant.base import Codec
 from kvcompress.quant.rotation import random_signs
 
@@ -28,7 +28,13 @@ def make_codec(
     if spec.method == "fp8":
         from kvcompress.quant.fp8 import Fp8Codec
 
-        return Fp8Codec(fmt=spec.fp8_format, static_scale=tensors.get("scale"), **common)
+        shift = tensors.get("shift")
+        if shift is not None and tuple(shift.shape) != (num_heads, head_dim):
+            raise ConfigError(
+                f"an FP8 stream's shift must be [kv heads, head dim] = [{num_heads}, {head_dim}], got "
+                f"{list(shift.shape)}: the config was made for another model; calibrate this one"
+            )
+        return Fp8Codec(fmt=spec.fp8_format, static_scale=tensors.get("scale"), channel_shift=shift, **common)
     if spec.method == "int":
         from kvcompress.quant.uniform import UniformCodec
 
