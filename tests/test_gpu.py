@@ -203,8 +203,24 @@ def test_prefill_attention_llama8b_layer(preset):
     assert rel_err(got.float().cpu(), want) <= 1e-2
 
 
+def _graph_config(preset, model):
+    """A preset name, or "fp8-shift": the fp8 preset with calibration-like per-channel shifts and static
+    per-head scales (what `calibrate --preset fp8` writes)."""
+    if preset != "fp8-shift":
+        return preset
+    from kvcompress import KVCompressConfig
+
+    cfg = KVCompressConfig.from_preset("fp8", model.config)
+    g = torch.Generator().manual_seed(52)
+    h, d = model.config.num_key_value_heads, model.config.head_dim
+    for i in range(len(cfg.layers)):
+        cfg = cfg.with_layer(i, tensors={f"{s}.{n}": t for s in ("key", "value") for n, t in (
+            ("shift", 0.5 * torch.randn(h, d, generator=g)), ("scale", torch.full((h,), 8.0 / 448)))})
+    return cfg
+
+
 @torch.no_grad()
-@pytest.mark.parametrize("preset", ["nuq4", "int4", "fp8"])
+@pytest.mark.parametrize("preset", ["nuq4", "int4", "fp8", "fp8-shift"])
 def test_decode_graph_replays_the_step(preset):
     """A 4-layer bf16 Llama (8 query / 2 kv heads, d 128), batch 3 with one row left-padded by 100 tokens,
     600-token prompt, 72 teacher-forced steps (several page flushes): DecodeGraph's replayed steps equal its eager fixed-address steps (same kernels,
@@ -227,7 +243,7 @@ def test_decode_graph_replays_the_step(preset):
     new = torch.randint(3, 512, (3, steps), generator=g).to(DEV)
     mask = torch.ones(3, 600, dtype=torch.long, device=DEV)
     mask[2, :100] = 0
-    caches = [CompressedCache(model.config, preset) for _ in range(3)]
+    caches = [CompressedCache(model.config, _graph_config(preset, model)) for _ in range(3)]
     for c in caches:
         model(prompt, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp_min(0), **with_cache(c))
     grow, eager, replayed = caches

@@ -256,8 +256,8 @@ def _phase_split_kernel(
             kw = _words(kc, kc_step, tok, ok, WK, False)  # [BN, WK]
             sT = tl.zeros([BN, GQ], tl.float32)
             for j in tl.static_range(BN // P):
-                if HAS_PL:
-                    kpage = tl.load(pl + l0 // P + j, mask=l0 + j * P < end, other=0)
+                if HAS_PL:  # an empty slot (-1) reads page 0's scales: its tokens are masked out (ok)
+                    kpage = tl.maximum(tl.load(pl + l0 // P + j, mask=l0 + j * P < end, other=0), 0)
                 else:
                     kpage = l0 // P + j
                 part = tl.zeros([BN, GQ], tl.float32)
