@@ -63,12 +63,15 @@ def _fail(e: Exception):
 @click.option("--per-head/--per-layer", default=True, show_default=True, help="One codebook per kv head or per layer.")
 @click.option("--weighting", type=click.Choice(["attention", "none"]), default="none", show_default=True,
               help="Weight the codebook fit by the attention each element gets (attention) or not (none).")
+@click.option("--fp8-shift", type=click.Choice(["none", "keys", "both"]), default="keys", show_default=True,
+              help="FP8 streams shifted by their channel means before coding (static scales of the rest).")
 @click.option("--device", default=None, help="cpu, cuda, ... (default: where the model loads).")
 @click.option("--load-in-4bit", is_flag=True, help="Load the weights in 4 bits (bitsandbytes NF4; CUDA).")
 @click.option("--load-in-8bit", is_flag=True, help="Load the weights in 8 bits (bitsandbytes LLM.int8; CUDA).")
 @click.option("--progress/--no-progress", default=True, show_default=True)
 def calibrate(model, out, text, samples, seq_len, batch_size, target_bits, memory_budget, budget_context,
-              budget_batch, preset, per_head, weighting, device, progress, load_in_4bit=False, load_in_8bit=False):
+              budget_batch, preset, per_head, weighting, device, progress, load_in_4bit=False, load_in_8bit=False,
+              fp8_shift="keys"):
     """Fit codebooks, key statistics, outlier thresholds and FP8 scales (and per-layer bits) for MODEL."""
     from kvcompress.calib.calibrate import CalibrationSettings
     from kvcompress.calib.calibrate import calibrate as run
@@ -85,6 +88,7 @@ def calibrate(model, out, text, samples, seq_len, batch_size, target_bits, memor
             preset=preset, samples=samples, seq_len=seq_len, batch_size=batch_size, target_bits=target_bits,
             memory_budget=parse_budget(memory_budget) if memory_budget else None,
             context=parse_count(budget_context), batch=budget_batch, per_head=per_head, weighting=weighting,
+            fp8_shift=fp8_shift,
         )
         m, tok = load_model_or_exit(model, device, load_in_4bit, load_in_8bit)
         cfg = run(m, tok, text_str, settings, progress=progress, log=click.echo)

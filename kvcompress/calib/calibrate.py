@@ -21,7 +21,7 @@ import torch
 
 from kvcompress.calib.allocate import Option, allocate
 from kvcompress.calib.bits import config_bits_per_element, layer_tokens, stream_cost, uncompressed_layer_bytes
-from kvcompress.calib.candidates import CANDIDATES, LayerFits, with_fp8_scales
+from kvcompress.calib.candidates import CANDIDATES, FP8_SHIFT_DEFAULT, FP8_SHIFTS, LayerFits, with_fp8_scales
 from kvcompress.calib.collect import CollectSettings, calibration_windows, collect
 from kvcompress.calib.sensitivity import layer_sensitivity
 from kvcompress.config import ConfigError, KVCompressConfig, LayerPolicy
@@ -50,6 +50,9 @@ class CalibrationSettings:
     weighting: str = "none"
     outlier_fraction: float = 0.01
     sample_tokens: int = 4096
+    # FP8 streams shifted by their channel means before coding: "none", "keys" or "both" (BENCHMARKS.md,
+    # "Calibrated FP8 shifted per channel": the shift cleans the attention error, perplexity disagrees)
+    fp8_shift: str = FP8_SHIFT_DEFAULT
 
     def __post_init__(self):
         if self.target_bits is not None and self.memory_budget is not None:
@@ -60,6 +63,8 @@ class CalibrationSettings:
             raise ConfigError(f"--memory-budget must be > 0, got {self.memory_budget}")
         if self.context < 1 or self.batch < 1:
             raise ConfigError("the budget's context and batch must be >= 1")
+        if self.fp8_shift not in FP8_SHIFTS:
+            raise ConfigError(f"fp8_shift must be one of {', '.join(FP8_SHIFTS)}, got {self.fp8_shift!r}")
 
     @property
     def has_budget(self) -> bool:
@@ -118,7 +123,7 @@ def config_from_stats(stats, layout: ModelLayout, dtype: torch.dtype, settings: 
                       notes: dict | None = None, progress: bool = False) -> KVCompressConfig:
     """The config for `settings` from collected statistics (one collection can serve several settings)."""
     notes = dict(notes or {})
-    fits = [LayerFits(s, settings.outlier_fraction, settings.per_head) for s in stats]
+    fits = [LayerFits(s, settings.outlier_fraction, settings.per_head, settings.fp8_shift) for s in stats]
     if settings.has_budget:
         target = target_bits_for(settings, layout, dtype)
         layers, notes["allocation"] = _mixed_layers(fits, layout, settings, target, dtype, progress)

@@ -1,10 +1,10 @@
 """The per-stream choices calibration picks from (fp8 / nuq4 / nuq3 / nuq2), with their fitted tensors.
 
 A LayerFits fits each choice of a layer once (codebooks are the slow part) and serves them to the
-sensitivity measurement, the allocation and the final config. FP8 streams get a per-channel shift
-and static scales of the shifted stream ("<stream>.shift", "<stream>.scale"; the codec uses them).
-Every stream also gets "<stream>.fp8_scale", static FP8 scales of the stream as it is, which is what a
-serving engine's FP8 cache can take (exports).
+sensitivity measurement, the allocation and the final config. FP8 streams get static per-head scales
+("<stream>.scale"), of the stream shifted by its channel means ("<stream>.shift") where `fp8_shift`
+says so. Every stream also gets "<stream>.fp8_scale", static FP8 scales of the stream as it is, which is
+what a serving engine's FP8 cache can take (exports).
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from kvcompress.calib.fit import fit_nuq_tensors, fp8_scales, fp8_shift_tensors
 from kvcompress.config import ConfigError, LayerPolicy, QuantSpec
 
 CANDIDATES = ("fp8", "nuq4", "nuq3", "nuq2")
+FP8_SHIFTS = ("none", "keys", "both")  # which FP8 streams calibration shifts by their channel means
+FP8_SHIFT_DEFAULT = "keys"
 STREAMS = ("key", "value")
 # Layers of a mixed-precision config share the nuq presets' page layout (fp8 streams ignore it).
 MIXED_PAGE_SIZE = 32
@@ -40,6 +42,7 @@ class LayerFits:
     stats: LayerStats
     outlier_fraction: float = 0.01
     per_head: bool = True
+    fp8_shift: str = FP8_SHIFT_DEFAULT
     _cache: dict = field(default_factory=dict, repr=False)
 
     def fp8_scale(self, stream: str):
@@ -49,7 +52,10 @@ class LayerFits:
     def spec_tensors(self, spec: QuantSpec, stream: str) -> dict:
         """Calibrated tensors for one stream quantized as `spec` ({} where nothing is calibrated)."""
         if spec.method == "fp8":
-            return {f"{stream}.{name}": t for name, t in fp8_shift_tensors(self.stats, stream, spec.fp8_format).items()}
+            if self.fp8_shift == "both" or (self.fp8_shift == "keys" and stream == "key"):
+                return {f"{stream}.{n}": t for n, t in fp8_shift_tensors(self.stats, stream, spec.fp8_format).items()}
+            amax = self.stats.key_amax if stream == "key" else self.stats.value_amax
+            return {f"{stream}.scale": fp8_scales(amax, spec.fp8_format)}
         if spec.method == "nuq" and not spec.rotation:
             key = (stream, spec.bits, spec.axis, spec.outlier_fraction)
             if key not in self._cache:
