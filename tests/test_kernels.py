@@ -62,6 +62,8 @@ SPECS = {
     # keys beside nuq4 values (paged kernel)
     "fp8-shift": (QuantSpec(method="fp8"), QuantSpec(method="fp8")),
     "fp8-shift-k": (QuantSpec(method="fp8"), QuantSpec(method="nuq", bits=4, axis="token")),
+    # what `calibrate --preset fp8` writes by default: keys shifted, values with static scales only
+    "fp8-shift-kstatic": (QuantSpec(method="fp8"), QuantSpec(method="fp8")),
 }
 
 
@@ -76,6 +78,8 @@ def _fp8_shift_tensors(stream, hkv, d):
 TENSORS = {
     "fp8-shift": _fp8_shift_tensors,
     "fp8-shift-k": lambda s, hkv, d: _fp8_shift_tensors(s, hkv, d) if s == 0 else {},
+    "fp8-shift-kstatic": lambda s, hkv, d: (_fp8_shift_tensors(s, hkv, d) if s == 0 else
+                                            {"scale": _fp8_shift_tensors(s, hkv, d)["scale"] * 3}),
 }
 
 
@@ -192,7 +196,7 @@ def test_triton_matches_twin_each_codec(name):
 
 
 @needs_triton
-@pytest.mark.parametrize("name", ["fp8", "fp8-e5m2", "fp8-shift"])
+@pytest.mark.parametrize("name", ["fp8", "fp8-e5m2", "fp8-shift", "fp8-shift-kstatic"])
 def test_fp8_kernel_with_fp16_operands(name):
     """A 16-bit cache: the fp8 kernel's dots take fp16 operands converted straight from the codes (on a GPU
     the bf16 model's path too). fp16 inputs, so the tolerance is fp16's (measured 3e-4 to 5e-4)."""
