@@ -10,7 +10,7 @@ import re
 import click
 
 from kvcompress.cli_common import load_model_or_exit
-from kvcompress.config import ConfigError
+from kvcompress.config import FP8_SHIFT_DEFAULT, FP8_SHIFTS, ConfigError
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 
@@ -63,7 +63,7 @@ def _fail(e: Exception):
 @click.option("--per-head/--per-layer", default=True, show_default=True, help="One codebook per kv head or per layer.")
 @click.option("--weighting", type=click.Choice(["attention", "none"]), default="none", show_default=True,
               help="Weight the codebook fit by the attention each element gets (attention) or not (none).")
-@click.option("--fp8-shift", type=click.Choice(["none", "keys", "both"]), default="keys", show_default=True,
+@click.option("--fp8-shift", type=click.Choice(FP8_SHIFTS), default=FP8_SHIFT_DEFAULT, show_default=True,
               help="FP8 streams shifted by their channel means before coding (static scales of the rest).")
 @click.option("--device", default=None, help="cpu, cuda, ... (default: where the model loads).")
 @click.option("--load-in-4bit", is_flag=True, help="Load the weights in 4 bits (bitsandbytes NF4; CUDA).")
@@ -71,7 +71,7 @@ def _fail(e: Exception):
 @click.option("--progress/--no-progress", default=True, show_default=True)
 def calibrate(model, out, text, samples, seq_len, batch_size, target_bits, memory_budget, budget_context,
               budget_batch, preset, per_head, weighting, device, progress, load_in_4bit=False, load_in_8bit=False,
-              fp8_shift="keys"):
+              fp8_shift=FP8_SHIFT_DEFAULT):
     """Fit codebooks, key statistics, outlier thresholds and FP8 scales (and per-layer bits) for MODEL."""
     from kvcompress.calib.calibrate import CalibrationSettings
     from kvcompress.calib.calibrate import calibrate as run

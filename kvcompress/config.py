@@ -20,6 +20,9 @@ FORMAT_VERSION = 1
 
 QUANT_METHODS = ("none", "fp8", "int", "nuq", "bnb")
 FP8_FORMATS = ("e4m3", "e5m2")
+# FP8 streams calibration shifts by their channel means (`calibrate --fp8-shift`), and the default
+FP8_SHIFTS = ("none", "keys", "both")
+FP8_SHIFT_DEFAULT = "keys"
 QUANT_AXES = ("channel", "token", "page")
 CODEBOOKS = ("gaussian", "laplace", "student_t5")
 SPARSITY_METHODS = ("none", "streaming", "h2o", "snapkv", "quest")

@@ -21,10 +21,10 @@ import torch
 
 from kvcompress.calib.allocate import Option, allocate
 from kvcompress.calib.bits import config_bits_per_element, layer_tokens, stream_cost, uncompressed_layer_bytes
-from kvcompress.calib.candidates import CANDIDATES, FP8_SHIFT_DEFAULT, FP8_SHIFTS, LayerFits, with_fp8_scales
+from kvcompress.calib.candidates import CANDIDATES, LayerFits, with_fp8_scales
 from kvcompress.calib.collect import CollectSettings, calibration_windows, collect
 from kvcompress.calib.sensitivity import layer_sensitivity
-from kvcompress.config import ConfigError, KVCompressConfig, LayerPolicy
+from kvcompress.config import FP8_SHIFT_DEFAULT, FP8_SHIFTS, ConfigError, KVCompressConfig, LayerPolicy
 from kvcompress.layout.arch import ModelLayout
 from kvcompress.presets import build_preset
 

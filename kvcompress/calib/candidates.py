@@ -13,11 +13,9 @@ from dataclasses import dataclass, field
 
 from kvcompress.calib.collect import LayerStats
 from kvcompress.calib.fit import fit_nuq_tensors, fp8_scales, fp8_shift_tensors
-from kvcompress.config import ConfigError, LayerPolicy, QuantSpec
+from kvcompress.config import FP8_SHIFT_DEFAULT, ConfigError, LayerPolicy, QuantSpec
 
 CANDIDATES = ("fp8", "nuq4", "nuq3", "nuq2")
-FP8_SHIFTS = ("none", "keys", "both")  # which FP8 streams calibration shifts by their channel means
-FP8_SHIFT_DEFAULT = "keys"
 STREAMS = ("key", "value")
 # Layers of a mixed-precision config share the nuq presets' page layout (fp8 streams ignore it).
 MIXED_PAGE_SIZE = 32
