@@ -2,6 +2,8 @@
 
 - stock:    transformers' DeepseekV3Attention (re-expands the cached latent through kv_b_proj, then SDPA)
 - absorbed: the same module under kvcompress.layout.mla_attention.patch_mla (torch, bf16 latent)
+- enabled:  the same absorbed forward on the fused backend, as `kvcompress.enable(model)` runs it on CUDA
+            over an exact latent: the Triton kernel with the library's default launch (mla_layer.LAUNCH)
 - fused:    absorbed query + kvcompress.kernels.mla_decode (Triton) over the latent as the nuq4 MLA
             preset stores it (4-bit per-channel NUQ kv_nope with 1% outliers, FP8 k_rot); also without
             outliers and over the bf16 latent, for reference.
@@ -11,7 +13,8 @@ T tokens held in a preallocated buffer (no per-step concatenation in any variant
 variant is captured once in a CUDA graph and the replays are timed: what the device needs per step,
 without the host's launch time (eager, one layer at batch 8 spends about 1 ms launching).
 
-    PYTHONPATH=. python benchmarks/mla_decode.py [--graph] [--cases 32768x8 8192x8] [--out bench_mla.md]
+    PYTHONPATH=. python benchmarks/mla_decode.py [--graph] [--cases 32768x8 8192x8] [--variants plain,dense]
+        [--kernel-sweep] [--out bench_mla.md]
 """
 
 from __future__ import annotations
@@ -134,24 +137,78 @@ def graph_ms(fn, warmup=3, reps=20) -> float:
 TIMER = time_ms  # graph_ms with --graph
 
 
-def tune(attn, hidden, pe, latent, b, t) -> dict:
-    """Pick block_h / num_warps / splits for the fused kernel at one shape; prints every try."""
+def tune(attn, hidden, pe, latent, b, t, name: str) -> dict:
+    """Pick block_h / num_warps / num_stages / splits for the fused kernel over `latent` at one shape,
+    from eager timings (a graph per config would cost minutes of capture); prints every try."""
     best, best_ms = None, float("inf")
     for block_h in (16, 32, 64):
         for warps in (4, 8):
             base = default_num_splits(b, 128, t, block_h)
-            for factor in (1, 2):
-                launch = dict(block_h=block_h, num_warps=warps, num_splits=base * factor)
+            for stages, factor in ((1, 1), (1, 2), (2, 1)):
+                launch = dict(block_h=block_h, num_warps=warps, num_stages=stages, num_splits=base * factor)
                 try:
                     fwd = fused_forward(attn, latent, launch)
-                    ms = TIMER(lambda: fwd(hidden, pe), warmup=2, reps=10)
+                    ms = time_ms(lambda: fwd(hidden, pe), warmup=2, reps=10)
                 except Exception as e:  # a config that does not compile (shared memory) is reported and skipped
-                    print(f"  tune {launch}: failed ({type(e).__name__}: {str(e)[:120]})")
+                    print(f"  tune {name} {launch}: failed ({type(e).__name__}: {str(e)[:120]})")
                     continue
-                print(f"  tune {launch}: {ms:.3f} ms")
+                print(f"  tune {name} {launch}: {ms:.3f} ms", flush=True)
                 if ms < best_ms:
-                    best, best_ms = dict(block_h=block_h, num_warps=warps, split_factor=factor), ms
+                    best = dict(block_h=block_h, num_warps=warps, num_stages=stages, split_factor=factor)
+                    best_ms = ms
     return best
+
+
+def run_launch(tuned: dict, b: int, t: int) -> dict:
+    launch = {k: v for k, v in tuned.items() if k != "split_factor"}
+    launch["num_splits"] = default_num_splits(b, 128, t, tuned["block_h"]) * tuned["split_factor"]
+    return launch
+
+
+def enabled_forward(attn, buf):
+    """The library path: the absorbed forward (patch_mla) on the fused backend over a dense bf16 latent
+    cache, as `kvcompress.enable(model)` runs a DynamicCache on CUDA (kernel launch from mla_layer.LAUNCH)."""
+    from kvcompress.kernels.attention_backend import begin_forward, end_forward
+
+    def step(hidden, pe):
+        begin_forward(True)
+        try:
+            return attn(hidden, pe, None, **with_cache(buf))
+        finally:
+            end_forward()
+
+    return step
+
+
+def kernel_sweep(b: int, t: int) -> list[str]:
+    """The kernel alone (no projections) over a dense bf16 latent at T x B, replayed from a CUDA graph, for
+    a grid of launches: tile of 32 / 64 / 128 tokens, pipeline stages, heads per program, warps."""
+    from kvcompress.kernels.mla_layer import LAUNCH
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(1)
+    kv = torch.randn(b, t, 512, device=dev, dtype=torch.bfloat16, generator=g)
+    kr = torch.randn(b, t, 64, device=dev, dtype=torch.bfloat16, generator=g)
+    ql = torch.randn(b, 128, 512, device=dev, dtype=torch.bfloat16, generator=g)
+    qr = torch.randn(b, 128, 64, device=dev, dtype=torch.bfloat16, generator=g)
+    flops = 2 * b * 128 * t * (576 + 512)
+    lines = [f"kernel alone, dense bf16 latent, T={t} B={b} (library default {LAUNCH['dense']}):",
+             "| tile | stages | block_h | warps | splits | ms | TFLOP/s |", "|---|---|---|---|---|---|---|"]
+    for tile in (32, 64, 128):
+        latent = MlaLatent(kv=kv, k_rot=kr, latent_dim=512, page_size=tile)
+        for stages in (2, 3):
+            for block_h, warps in ((64, 8), (32, 4), (128, 16)):
+                for factor in (1, 2):
+                    splits = default_num_splits(b, 128, t, block_h) * factor
+                    launch = dict(block_h=block_h, num_warps=warps, num_stages=stages)
+                    try:
+                        ms = graph_ms(lambda: merge_partials(*mla_decode_triton(ql, qr, latent, 0.07, splits, **launch)))
+                    except Exception as e:  # out of shared memory or registers: reported, skipped
+                        print(f"  sweep tile {tile} {launch}: failed ({type(e).__name__})", flush=True)
+                        continue
+                    lines.append(f"| {tile} | {stages} | {block_h} | {warps} | {splits} | {ms:.3f} | {flops / ms / 1e9:.0f} |")
+                    print(lines[-1], flush=True)
+    return lines
 
 
 @torch.no_grad()
@@ -160,13 +217,17 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--graph", action="store_true", help="time replays of a CUDA graph of each variant")
     ap.add_argument("--cases", nargs="*", default=None, help="TxB shapes, e.g. 32768x8 (default: all four)")
+    ap.add_argument("--variants", default="outliers,plain,dense",
+                    help="fused variants to time: outliers (nuq4 + 1%% outliers), plain (nuq4), dense (bf16 latent)")
+    ap.add_argument("--kernel-sweep", action="store_true", help="also time the kernel alone over a grid of launches")
     args = ap.parse_args()
+    variants = set(args.variants.split(","))
     global TIMER
     TIMER = graph_ms if args.graph else time_ms
     cases = [tuple(int(v) for v in c.split("x")) for c in args.cases] if args.cases else CASES
     dev = torch.device("cuda")
     cfg, attn, rope = deepseek_v3_layer(dev)
-    rows, launch = [], None
+    rows, launches = [], {}
     for t, b in sorted(cases, key=lambda c: -c[0] * c[1]):
         g = torch.Generator(device=dev).manual_seed(t + b)
         kv = torch.randn(b, 1, t, 512, device=dev, dtype=torch.bfloat16, generator=g)
@@ -180,27 +241,43 @@ def main():
         undo = patch_mla(attn)
         absorbed = TIMER(lambda: attn(hidden, pe, None, **with_cache(buf)))
         out_abs = attn(hidden, pe, None, **with_cache(buf))[0].float()
+        enabled = enabled_forward(attn, buf)
+        enabled_ms = TIMER(lambda: enabled(hidden, pe))
+        out_enabled = enabled(hidden, pe)[0].float()
         undo()
-        nuq = pack_latent(kv, kr, 0.01)
-        if launch is None:
-            launch = tune(attn, hidden, pe, nuq, b, t)
-            print("chosen", launch)
-        run = dict(block_h=launch["block_h"], num_warps=launch["num_warps"],
-                   num_splits=default_num_splits(b, 128, t, launch["block_h"]) * launch["split_factor"])
-        fused = fused_forward(attn, nuq, run)
-        fused_ms = TIMER(lambda: fused(hidden, pe))
-        out_fused = fused(hidden, pe)[0].float()
-        plain = fused_forward(attn, pack_latent(kv, kr, 0.0), run)
-        plain_ms = TIMER(lambda: plain(hidden, pe))
-        dense = fused_forward(attn, MlaLatent(kv=kv[:, 0], k_rot=kr[:, 0], latent_dim=512, page_size=PAGE), run)
-        dense_ms = TIMER(lambda: dense(hidden, pe))
-        out_dense = dense(hidden, pe)[0].float()
-        err_abs = ((out_abs - ref).norm() / ref.norm()).item()
-        err_dense = ((out_dense - ref).norm() / ref.norm()).item()  # leaves the new token out: ~1/T
-        sqnr_nuq = (10 * torch.log10(ref.pow(2).sum() / (out_fused - ref).pow(2).sum())).item()
-        rows.append((t, b, stock, absorbed, fused_ms, plain_ms, dense_ms, err_abs, err_dense, sqnr_nuq))
+        latents = {
+            "outliers": lambda: pack_latent(kv, kr, 0.01),
+            "plain": lambda: pack_latent(kv, kr, 0.0),
+            "dense": lambda: MlaLatent(kv=kv[:, 0], k_rot=kr[:, 0], latent_dim=512, page_size=PAGE),
+        }
+        ms, outs = {}, {}
+        for name in ("outliers", "plain", "dense"):
+            if name not in variants:
+                ms[name], outs[name] = float("nan"), None
+                continue
+            latent = latents[name]()
+            if name not in launches:
+                launches[name] = tune(attn, hidden, pe, latent, b, t, name)
+                print("chosen", name, launches[name], flush=True)
+            fwd = fused_forward(attn, latent, run_launch(launches[name], b, t))
+            ms[name] = TIMER(lambda: fwd(hidden, pe))
+            outs[name] = fwd(hidden, pe)[0].float()
+            del latent, fwd
+
+        def err(out):
+            return float("nan") if out is None else ((out - ref).norm() / ref.norm()).item()
+
+        def sqnr(out):
+            if out is None:
+                return float("nan")
+            return (10 * torch.log10(ref.pow(2).sum() / (out - ref).pow(2).sum())).item()
+
+        # the fused variants leave the new token out (they time the cache read): error ~1/T
+        rows.append((t, b, stock, absorbed, enabled_ms, ms["outliers"], ms["plain"], ms["dense"], err(out_abs),
+                     err(out_enabled), err(outs["dense"]), sqnr(outs["outliers"]), sqnr(outs["plain"])))
         print(rows[-1], flush=True)
-        del buf, kv, kr, nuq, fused, plain, dense
+        del buf, kv, kr
+
         torch.cuda.empty_cache()
 
     lines = [
@@ -208,17 +285,21 @@ def main():
         "",
         f"Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}; device: {torch.cuda.get_device_name()}; "
         f"torch {torch.__version__}; command: `PYTHONPATH=. python benchmarks/mla_decode.py{' --graph' if args.graph else ''}`; "
-        f"timing: {'CUDA graph replays' if args.graph else 'eager'}; kernel launch: {launch}",
+        f"timing: {'CUDA graph replays' if args.graph else 'eager'}; tuned kernel launches: {launches}",
         "",
-        "| T | B | stock (ms) | absorbed bf16 (ms) | fused nuq4+1% outl. (ms) | fused nuq4 no outl. (ms) | fused bf16 (ms) "
-        "| stock/absorbed | absorbed/fused nuq4 | absorbed/fused nuq4 no outl. | rel.err absorbed | rel.err fused bf16 | SQNR fused nuq4 (dB) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| T | B | stock (ms) | absorbed torch (ms) | enabled, fused bf16 (ms) | fused nuq4+1% outl. (ms) "
+        "| fused nuq4 (ms) | fused bf16, tuned (ms) | stock/absorbed | stock/enabled | enabled/fused nuq4 "
+        "| rel.err absorbed | rel.err enabled | rel.err fused bf16 | SQNR nuq4+outl. (dB) | SQNR nuq4 (dB) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for t, b, s, a, f, p, d, ea, ed, q in sorted(rows):
+    for t, b, s, a, e, f, p, d, ea, ee, ed, qf, qp in sorted(rows):
         lines.append(
-            f"| {t} | {b} | {s:.3f} | {a:.3f} | {f:.3f} | {p:.3f} | {d:.3f} | {s / a:.1f}x | {a / f:.2f}x | {a / p:.2f}x "
-            f"| {ea:.1e} | {ed:.1e} | {q:.1f} |"
+            f"| {t} | {b} | {s:.3f} | {a:.3f} | {e:.3f} | {f:.3f} | {p:.3f} | {d:.3f} | {s / a:.1f}x | {s / e:.1f}x "
+            f"| {e / p:.2f}x | {ea:.1e} | {ee:.1e} | {ed:.1e} | {qf:.1f} | {qp:.1f} |"
         )
+    if args.kernel_sweep:
+        t, b = max(cases, key=lambda c: c[0] * c[1])
+        lines += ["", *kernel_sweep(b, t)]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

@@ -177,6 +177,59 @@ def test_mla_kernel_deepseek_size():
     assert rel_err(got, want) < 5e-3  # fp32 inputs: the kernel's dots run on tensor cores in tf32 (10-bit mantissa)
 
 
+@pytest.mark.parametrize("block_h,num_warps", [(16, 4), (32, 8), (64, 8)])
+def test_mla_kernel_masked_bf16(block_h, num_warps):
+    """DeepSeek-size bf16 queries over a packed latent with a keep-mask (left padding of 700 tokens in one
+    row, holes in the other), at each launch the benchmark tunes over: equals the twin within bf16."""
+    from test_mla import _packed_latent
+
+    from kvcompress.kernels.mla_decode import merge_partials, mla_decode_torch, mla_decode_triton
+
+    lat = _packed_latent(2, 4096, 512, 64, 64, 0, fp8_rot=True, seed=3)
+    lat = type(lat)(**{k: (v.to(DEV) if isinstance(v, torch.Tensor) else v) for k, v in vars(lat).items()})
+    g = torch.Generator().manual_seed(31)
+    allowed = torch.rand(2, 4096, generator=g) > 0.2
+    allowed[0, :700] = False
+    allowed = allowed.to(DEV)
+    ql = torch.randn(2, 128, 512, generator=g).to(DEV, LOW)
+    qr = torch.randn(2, 128, 64, generator=g).to(DEV, LOW)
+    want = merge_partials(*mla_decode_torch(ql, qr, lat, 0.07, num_splits=8, allowed=allowed))
+    got = merge_partials(*mla_decode_triton(ql, qr, lat, 0.07, num_splits=8, allowed=allowed,
+                                            block_h=block_h, num_warps=num_warps))
+    assert rel_err(got, want) < 1e-2
+
+
+def test_mla_fused_decode_in_a_model():
+    """A tiny DeepSeek-V3 in bf16 on the GPU under kvcompress.enable, nuq4 cache, a left-padded batch:
+    decode logits of the fused path (kernel over the packed body) match the torch backend's."""
+    import kvcompress
+    from conftest import make_tiny_model
+    from test_mla import MLA_DIMS
+
+    from kvcompress.compat import with_cache
+
+    model = make_tiny_model("deepseek_v3", **MLA_DIMS).to(DEV, LOW)
+    ids = torch.randint(3, 256, (2, 208), generator=torch.Generator().manual_seed(8)).to(DEV)
+    mask = torch.ones_like(ids)
+    mask[0, :70] = 0
+    runs = {}
+    for backend in ("torch", "triton"):
+        os.environ["KVCOMPRESS_KERNELS"] = backend
+        kvcompress.enable(model)
+        try:
+            with torch.no_grad():  # prefill 200 tokens, then 8 teacher-forced decode steps
+                cache = kvcompress.CompressedCache(model.config, "nuq4")
+                steps = [model(ids[:, :200], attention_mask=mask[:, :200], **with_cache(cache)).logits[:, -1]]
+                for i in range(200, 208):
+                    out = model(ids[:, i:i + 1], attention_mask=mask[:, :i + 1], **with_cache(cache))
+                    steps.append(out.logits[:, -1])
+                runs[backend] = torch.stack(steps)
+        finally:
+            kvcompress.disable(model)
+            del os.environ["KVCOMPRESS_KERNELS"]
+    assert rel_err(runs["triton"].float(), runs["torch"].float()) < 3e-2  # bf16 model: both paths round to bf16
+
+
 @pytest.mark.parametrize("preset", ["nuq4", "int4"])
 def test_prefill_attention_llama8b_layer(preset):
     """A 512-token prefill chunk of a Llama-8B layer (8 kv heads, GQA 4, d 128, bf16) over 4096 held tokens

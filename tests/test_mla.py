@@ -270,6 +270,27 @@ def test_triton_kernel_matches_twin(packed, n_out, fp8_rot, heads, t, splits):
     assert _rel_err(merged, ref) < 1e-3  # tf32-free fp32 dots in the interpreter; 1e-3 covers exp2 vs exp
 
 
+def test_triton_kernel_reads_a_mask():
+    """A keep-mask [B, T] with holes, one split wholly masked in one row: kernel = twin, and that split's
+    lse is -inf with a zero output (merging it adds nothing)."""
+    mla_decode_triton = _triton_or_skip()
+    lat = _packed_latent(2, 64, 32, 16, 16, 3, fp8_rot=True, seed=4)
+    g = torch.Generator().manual_seed(5)
+    allowed = torch.rand(2, 64, generator=g) > 0.3
+    allowed[1, :32] = False  # row 1: the first of two splits sees nothing
+    ql, qr = torch.randn(2, 5, 32, generator=g), torch.randn(2, 5, 16, generator=g)
+    ref_out, ref_lse = mla_decode_torch(ql, qr, lat, 0.25, num_splits=2, allowed=allowed)
+    out, lse = mla_decode_triton(ql, qr, lat, 0.25, num_splits=2, allowed=allowed, block_h=16, outlier_chunk=4)
+    assert torch.isneginf(ref_lse[1, :, 0]).all() and torch.isneginf(lse[1, :, 0]).all()
+    assert out[1, :, 0].abs().max() == 0
+    finite = torch.isfinite(ref_lse)
+    assert (lse[finite] - ref_lse[finite]).abs().max() < 1e-3
+    merged, ref = merge_partials(out, lse), merge_partials(ref_out, ref_lse)
+    kv, kr = dequantize_latent(lat, torch.float32)
+    s = ((ql @ kv.transpose(1, 2) + qr @ kr.transpose(1, 2)) * 0.25).masked_fill(~allowed[:, None], float("-inf"))
+    assert _rel_err(merged, ref) < 1e-3 and _rel_err(ref, torch.softmax(s, -1) @ kv) < 1e-5
+
+
 @torch.no_grad()
 def test_deepseek_v2_absorbed_matches_stock():
     """DeepSeek-V2 attention (complex-number RoPE) absorbs the same way: prefill logits within 1e-4."""
@@ -317,3 +338,63 @@ def test_enable_with_the_fused_backend(deepseek, monkeypatch):
         finally:
             kvcompress.disable(deepseek)
     torch.testing.assert_close(runs["triton"], runs["torch"])
+
+
+@torch.no_grad()
+def test_fused_decode_reads_the_packed_latent(deepseek, monkeypatch):
+    """On the fused backend a decode step of a compressed MLA layer runs the kernel over the packed body
+    (sinks and tail exact, merged by log-sum-exp) and never decodes the cache: logits equal the torch
+    backend's (which attends over the dequantized latent), with left padding reaching into the body."""
+    _triton_or_skip()
+    import kvcompress.kernels.mla_decode as mla_mod
+    from kvcompress.cache import CompressedLayer
+
+    ids = torch.randint(3, 256, (2, 72), generator=torch.Generator().manual_seed(6))
+    mask = torch.ones_like(ids)
+    mask[0, :7] = 0  # past the 4 sinks: the body's first tokens are padding
+    runs, counts = {}, {}
+    kernel, dense = mla_mod.mla_decode_triton, CompressedLayer.dense
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv("KVCOMPRESS_KERNELS", backend)
+        calls = {"kernel": 0, "dense": 0}
+
+        def counted_kernel(*a, **k):
+            calls["kernel"] += 1
+            return kernel(*a, **k)
+
+        def counted_dense(self):
+            calls["dense"] += 1
+            return dense(self)
+
+        monkeypatch.setattr("kvcompress.kernels.mla_layer.mla_decode_triton", counted_kernel)
+        kvcompress.enable(deepseek)
+        try:
+            cache = CompressedCache(deepseek.config, "nuq4")
+            deepseek(ids, attention_mask=mask, **with_cache(cache))
+            monkeypatch.setattr(CompressedLayer, "dense", counted_dense)
+            logits, tokens, _ = _greedy(deepseek, ids[:, -1:], mask, cache, steps=3)
+            monkeypatch.setattr(CompressedLayer, "dense", dense)
+        finally:
+            kvcompress.disable(deepseek)
+        runs[backend], counts[backend] = (logits, tokens), dict(calls)
+    assert counts["triton"]["dense"] == 0 and counts["triton"]["kernel"] == 2 * 4  # 2 layers x 4 decode steps
+    assert counts["torch"]["kernel"] == 0 and counts["torch"]["dense"] > 0
+    assert _rel_err(runs["triton"][0], runs["torch"][0]) < 1e-4
+    assert torch.equal(runs["triton"][1], runs["torch"][1])
+
+
+@torch.no_grad()
+def test_fused_decode_over_an_exact_latent(deepseek, padded_batch, monkeypatch):
+    """A plain DynamicCache under enable on the fused backend: decode steps run the kernel over the
+    exact latent; logits match the stock model's (fp32, relative 1e-4) and greedy tokens are equal."""
+    _triton_or_skip()
+    ids, mask = padded_batch
+    stock_logits, stock_tokens, _ = _greedy(deepseek, ids, mask, DynamicCache(config=deepseek.config), steps=6)
+    monkeypatch.setenv("KVCOMPRESS_KERNELS", "triton")
+    kvcompress.enable(deepseek)
+    try:
+        logits, tokens, _ = _greedy(deepseek, ids, mask, DynamicCache(config=deepseek.config), steps=6)
+    finally:
+        kvcompress.disable(deepseek)
+    assert _rel_err(logits, stock_logits) <= 1e-4
+    assert torch.equal(tokens, stock_tokens)

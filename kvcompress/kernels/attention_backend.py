@@ -18,6 +18,10 @@ gives each row's first real position, passed to the kernel as `row_starts`, so p
 fused path. Layers that evict (H2O, SnapKV, StreamingLLM) no longer hold positions in mask order, and a
 mask with holes other than left padding is not one the kernel reads: those run on the torch path.
 
+MLA layers (absorbed attention, kvcompress.layout.mla_attention) defer their decode steps too, when the
+MLA kernel reads their codecs (`kvcompress.kernels.mla_layer.mla_fused_supported`); their prefill always
+runs over the latent update() returns.
+
 Sparse layers: Quest passes its selected pages as the kernel's page list (the kernel always reads the
 sinks and the whole tail, a few more tokens than the torch path's newest page); H2O takes the
 per-token attention the kernel returns. Nothing here imports transformers or Triton.
@@ -43,6 +47,11 @@ def begin_forward(use_fused: bool, row_starts: torch.Tensor | None = None) -> No
     _local.fused = use_fused
     _local.deferred = None
     _local.row_starts = row_starts
+
+
+def fused_active() -> bool:
+    """Whether the current forward runs on the fused backend (set by `begin_forward`)."""
+    return bool(getattr(_local, "fused", False))
 
 
 def end_forward() -> None:
@@ -92,8 +101,10 @@ def fused_supported(layer) -> bool:
 
     if not getattr(layer, "is_initialized", False) or not getattr(layer, "compressed", False):
         return False  # lossless layers return their tail as is: SDPA reads it without any decode
-    if getattr(layer, "mla_latent", False):
-        return False  # absorbed MLA attends over the latent update() returns (kvcompress.layout.mla_attention)
+    if getattr(layer, "mla_latent", False):  # absorbed MLA: kvcompress.kernels.mla_layer reads the parts
+        from kvcompress.kernels.mla_layer import mla_fused_supported
+
+        return mla_fused_supported(layer)
     if not (stream_supported(layer.key_store.codec) and stream_supported(layer.value_store.codec)):
         return False
     if layer.tail_k.dtype not in _DTYPES:
@@ -117,6 +128,8 @@ def defers_dense(layer, new_keys: torch.Tensor) -> bool:
     prefill's attention or hold positions out of order."""
     if not getattr(_local, "fused", False) or not fused_supported(layer):
         return False
+    if getattr(layer, "mla_latent", False) and new_keys.shape[2] > 1:
+        return False  # an MLA prefill attends over the latent update() returns
     sparse = getattr(layer, "sparse", None)
     if new_keys.shape[2] > 1 and sparse is not None and not (
             sparse.policy.keeps_page_summaries and sparse.pos is None):

@@ -75,16 +75,17 @@ class MlaLatent:
         return 0 if self.outlier_idx is None else self.outlier_idx.shape[-1]
 
     @classmethod
-    def from_stores(cls, key_store, value_store) -> "MlaLatent":
+    def from_stores(cls, key_store, value_store, dtype: torch.dtype = torch.bfloat16) -> "MlaLatent":
         """The body of a CompressedLayer holding an MLA latent: key store = NUQ channel-axis kv_nope
-        (or identity), value store = FP8 or identity k_rot. Store fields are [B, 1, ...]."""
+        (or identity), value store = FP8 or identity k_rot. Store fields are [B, 1, ...]. Streams the
+        kernel does not read packed are decoded to `dtype` (an identity stream is only cast)."""
         kc, vc = key_store.codec, value_store.codec
         kd, vd = key_store.data, value_store.data
         fields = dict(latent_dim=kc.head_dim, page_size=kc.page_size)
-        if "scale" in vd:
+        if "scale" in vd and getattr(vc, "fmt", None) == "e4m3" and getattr(vc, "channel_shift", None) is None:
             fields.update(k_rot=vd["codes"][:, 0], k_rot_scale=vd["scale"][:, 0, :, 0])
         else:
-            fields.update(k_rot=vc.decode(vd, value_store.row, torch.bfloat16)[:, 0])
+            fields.update(k_rot=vc.decode(vd, value_store.row, dtype)[:, 0])
         if hasattr(kc, "codebook"):
             if kc.axis != "channel" or kc.rotation_signs is not None or kc.codebook.dim() != 1:
                 raise ValueError("the MLA kernels read NUQ latents with axis='channel', one codebook, no rotation")
@@ -98,7 +99,7 @@ class MlaLatent:
             if "outlier_idx" in kd:
                 fields.update(outlier_idx=kd["outlier_idx"][:, 0], outlier_val=kd["outlier_val"][:, 0])
         else:
-            fields.update(kv=kc.decode(kd, key_store.row, torch.bfloat16)[:, 0])
+            fields.update(kv=kc.decode(kd, key_store.row, dtype)[:, 0])
         return cls(**fields)
 
 
@@ -122,18 +123,26 @@ def dequantize_latent(latent: MlaLatent, dtype: torch.dtype) -> tuple[torch.Tens
 
 
 def mla_decode_torch(
-    q_latent: torch.Tensor, q_rope: torch.Tensor, latent: MlaLatent, scaling: float, num_splits: int = 1
+    q_latent: torch.Tensor,
+    q_rope: torch.Tensor,
+    latent: MlaLatent,
+    scaling: float,
+    num_splits: int = 1,
+    allowed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q_latent [B, H, R], q_rope [B, H, Dr] -> partial outputs [B, H, S, R] float32 and lse [B, H, S].
 
     Split s covers the pages [s * n, (s+1) * n) with n = ceil(pages / S); each partial output is
-    normalised within its split and `lse` is that split's log-sum-exp (-inf when it is empty).
+    normalised within its split and `lse` is that split's log-sum-exp (-inf, output 0, when it is empty
+    or every token in it is masked). allowed [B, T] bool (or uint8, nonzero = attend), None = all.
     """
     kv, k_rot = dequantize_latent(latent, q_latent.dtype)
     # the kernel multiplies the tile as q_latent's dtype holds it
     scores = torch.einsum("bhr,btr->bht", q_latent.float(), kv.float())
     scores += torch.einsum("bhd,btd->bht", q_rope.float(), k_rot.float())
     scores *= scaling
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed.bool()[:, None, :], float("-inf"))
     bounds = _split_bounds(latent.num_tokens, latent.page_size, num_splits)
     outs, lses = [], []
     for lo, hi in bounds:
@@ -143,7 +152,7 @@ def mla_decode_torch(
             continue
         s = scores[..., lo:hi]
         lse = torch.logsumexp(s, -1)
-        p = torch.exp(s - lse[..., None])
+        p = torch.exp(s - lse.clamp_min(torch.finfo(torch.float32).min)[..., None])  # all masked: p = 0
         outs.append(torch.einsum("bht,btr->bhr", p.to(kv.dtype).float(), kv[:, lo:hi].float()))
         lses.append(lse)
     return torch.stack(outs, 2), torch.stack(lses, 2)
@@ -168,6 +177,7 @@ def mla_decode_triton(
     latent: MlaLatent,
     scaling: float,
     num_splits: int = 1,
+    allowed: torch.Tensor | None = None,
     **launch,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `mla_decode_torch`; `launch`: block_h, num_warps, num_stages, outlier_chunk."""
@@ -177,7 +187,7 @@ def mla_decode_triton(
         raise ImportError("the fused MLA decode kernel needs Triton: pip install triton")
     from kvcompress.kernels import mla_decode_triton as impl
 
-    return impl.mla_decode_triton(q_latent, q_rope, latent, scaling, num_splits, **launch)
+    return impl.mla_decode_triton(q_latent, q_rope, latent, scaling, num_splits, allowed, **launch)
 
 
 def mla_decode(q_latent, q_rope, latent: MlaLatent, scaling: float, num_splits: int = 1, **launch) -> torch.Tensor:

@@ -1,9 +1,12 @@
 """Triton side of the fused MLA decode (see kvcompress.kernels.mla_decode for the math and the twin).
 
-Grid: (batch, head block, split). Each program takes BLOCK_H query heads of one sequence and a
+Grid: (head block, batch, split). Each program takes BLOCK_H query heads of one sequence and a
 contiguous range of tiles of BLOCK_N tokens (a tile is one page when the latent is packed): it
 dequantizes the tile in registers (4-bit codes -> codebook -> * channel scale + channel mean),
-scores it against the heads' absorbed queries, and keeps an online softmax in base 2.
+scores it against the heads' absorbed queries, and keeps an online softmax in base 2. The head blocks
+of one (sequence, split) are neighbours in launch order, so they run together and read the same latent
+tiles from L2 rather than each from HBM. An optional mask [B, T] (nonzero: attend) drops tokens such
+as left padding.
 
 Importing this module imports Triton; `kvcompress.kernels.mla_decode` does so only when asked.
 """
@@ -40,17 +43,18 @@ def _outliers(KV, CB, CMEAN, CSCALE, OIDX, OVAL, b, blk, chunk, stride_kvb, stri
 
 @triton.jit(do_not_specialize=("T", "blocks_per_split"))
 def _mla_decode_kernel(
-    QL, QR, Out, Lse, KV, KR, KRS, CB, CMEAN, CSCALE, OIDX, OVAL,
-    stride_qlb, stride_qlh, stride_qrb, stride_qrh,
+    QL, QR, Out, Lse, KV, KR, KRS, CB, CMEAN, CSCALE, OIDX, OVAL, MASK,
+    stride_qlb, stride_qlh, stride_qrb, stride_qrh, stride_mb,
     stride_kvb, stride_kvt, stride_krb, stride_krt, stride_krsb,
     stride_cmb, stride_oib, stride_oip,
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
     H, T, blocks_per_split, qk_scale,
     R: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     PACKED: tl.constexpr, KR_FP8: tl.constexpr, N_OUT: tl.constexpr, OUT_CHUNK: tl.constexpr,
+    HAS_MASK: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    b = tl.program_id(1)
+    offs_h = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
     h_mask = offs_h < H
     offs_r = tl.arange(0, R)
@@ -99,11 +103,16 @@ def _mla_decode_kernel(
                 hit_t = (t_loc[:, None] == offs_bn[None, :]).to(tl.float32)  # [OUT_CHUNK, BLOCK_N]
                 s += tl.dot((qg * delta[None, :]).to(ql.dtype), hit_t.to(ql.dtype))
         s = s * qk_scale
-        s = tl.where(n_mask[None, :], s, float("-inf"))
+        keep = n_mask
+        if HAS_MASK:
+            keep = keep & (tl.load(MASK + b * stride_mb + offs_n, mask=n_mask, other=0) != 0)
+        s = tl.where(keep[None, :], s, float("-inf"))
         # -- update m_i and l_i
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        # a row with every token so far masked keeps m = -inf: subtract 0 there instead (p = 0, not NaN)
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_sub)
+        p = tl.exp2(s - m_sub[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv)
         if N_OUT > 0:
@@ -131,6 +140,7 @@ def mla_decode_triton(
     latent: MlaLatent,
     scaling: float,
     num_splits: int = 1,
+    allowed: torch.Tensor | None = None,
     block_h: int = 16,
     num_warps: int = 4,
     num_stages: int = 1,
@@ -156,10 +166,17 @@ def mla_decode_triton(
     cscale = latent.channel_scale.float().contiguous() if latent.is_packed else dummy
     oidx = latent.outlier_idx if latent.num_outliers else dummy
     oval = latent.outlier_val if latent.num_outliers else dummy
-    grid = (b, triton.cdiv(h, block_h), num_splits)
+    if allowed is not None:
+        assert allowed.shape == (b, t), f"allowed {tuple(allowed.shape)} must be [B, T] = {(b, t)}"
+        mask = allowed.to(torch.uint8) if allowed.dtype == torch.bool else allowed
+        assert mask.stride(-1) == 1, "allowed needs a contiguous last dim"
+    else:
+        mask = dummy
+    grid = (triton.cdiv(h, block_h), b, num_splits)
     _mla_decode_kernel[grid](
-        q_latent, q_rope, out, lse, kv, k_rot, krs, cb, cmean, cscale, oidx, oval,
+        q_latent, q_rope, out, lse, kv, k_rot, krs, cb, cmean, cscale, oidx, oval, mask,
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
+        mask.stride(0) if allowed is not None else 0,
         kv.stride(0), kv.stride(1), k_rot.stride(0), k_rot.stride(1), krs.stride(0) if krs.dim() > 1 else 0,
         cmean.stride(0) if cmean.dim() > 1 else 0,
         oidx.stride(0) if oidx.dim() > 1 else 0, oidx.stride(1) if oidx.dim() > 1 else 0,
@@ -167,7 +184,7 @@ def mla_decode_triton(
         h, t, per_split, scaling * LOG2E,
         R=r, DR=q_rope.shape[-1], BLOCK_H=block_h, BLOCK_N=block_n,
         PACKED=latent.is_packed, KR_FP8=latent.k_rot_scale is not None,
-        N_OUT=latent.num_outliers, OUT_CHUNK=outlier_chunk,
+        N_OUT=latent.num_outliers, OUT_CHUNK=outlier_chunk, HAS_MASK=allowed is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out, lse

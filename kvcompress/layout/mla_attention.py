@@ -14,6 +14,12 @@ so every query head attends to one shared latent "head" and the cache is never e
 
 `patch_mla(model)` swaps the forward of each DeepSeek-V2/V3 attention instance (never the class)
 and returns `undo`, which restores every patched module exactly.
+
+Decode steps on the fused backend (`kvcompress.enable(model)` on CUDA) run the fused MLA kernel
+(kvcompress.kernels.mla_decode): over a compressed layer's packed latent where it lies
+(kvcompress.kernels.mla_layer; the layer never decodes its cache), or over an exact latent (a
+DynamicCache, a lossless layer) as it is. Prefill, and every step on the torch backend, run
+`absorbed_attention` in torch.
 """
 
 from __future__ import annotations
@@ -25,6 +31,10 @@ from typing import Callable
 
 import torch
 from torch import nn
+
+from kvcompress.kernels.attention_backend import fused_active, take_deferred
+from kvcompress.kernels.mla_decode import MlaLatent, merge_partials
+from kvcompress.kernels.mla_layer import decode_allowed, latent_dims_supported, mla_attend, mla_layer_decode
 
 _MLA_CLASSES = ("DeepseekV3Attention", "DeepseekV2Attention")
 
@@ -170,13 +180,27 @@ def _absorbed_forward(attn: nn.Module, original: Callable) -> Callable:
         k_rot = k_rot.view(b, 1, s, self.qk_rope_head_dim)  # [B, 1, S, Dr]
         q_rot, k_rot = rope(q_rot, k_rot, position_embeddings)
 
+        deferred = None
         if cache is not None:
             kv_nope, k_rot = cache.update(kv_nope, k_rot, self.layer_idx)  # [B, 1, T, R], [B, 1, T, Dr]
+            deferred = take_deferred(kv_nope)  # a fused decode step: kv_nope is only the new token
 
         w_uk, w_uv = split_kv_b_proj(self.kv_b_proj.weight, self.num_heads, self.qk_nope_head_dim, self.v_head_dim)
         q_latent = absorb_query(q_nope, w_uk)
-        mask = additive_mask(attention_mask, b, s, kv_nope.shape[2], q.device, torch.float32)
-        o_latent = absorbed_attention(q_latent, q_rot, kv_nope, k_rot, self.scaling, mask)
+        kv_len = deferred.held_tokens if deferred is not None else kv_nope.shape[2]
+        mask = additive_mask(attention_mask, b, s, kv_len, q.device, torch.float32)
+        if deferred is not None:  # the packed latent, read by the fused kernel where it lies
+            o = mla_layer_decode(deferred, q_latent[:, :, 0], q_rot[:, :, 0], self.scaling,
+                                 decode_allowed(mask, b, kv_len))
+            o_latent = o.to(q_latent.dtype)[:, :, None]
+        elif s == 1 and fused_active() and latent_dims_supported(kv_nope.shape[-1], k_rot.shape[-1]):
+            # an exact latent (DynamicCache, lossless layers): the same kernel over it as it is
+            latent = MlaLatent(kv=kv_nope[:, 0].contiguous(), k_rot=k_rot[:, 0].contiguous(), latent_dim=kv_nope.shape[-1])
+            out, lse = mla_attend(q_latent[:, :, 0].contiguous(), q_rot[:, :, 0].contiguous(), latent, self.scaling,
+                                  decode_allowed(mask, b, kv_len), "triton")
+            o_latent = merge_partials(out, lse).to(q_latent.dtype)[:, :, None]
+        else:
+            o_latent = absorbed_attention(q_latent, q_rot, kv_nope, k_rot, self.scaling, mask)
         out = expand_output(o_latent, w_uv)  # [B, H, S, Dv]
         out = out.transpose(1, 2).reshape(b, s, -1).contiguous()
         return self.o_proj(out), None

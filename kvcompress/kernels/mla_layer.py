@@ -1,0 +1,119 @@
+"""One absorbed MLA decode step over a `CompressedLayer`'s parts, without decoding its cache.
+
+A compressed MLA layer holds the latent as sinks | packed body | tail (kvcompress.cache). On a decode
+step of a model under `kvcompress.enable` with the fused backend, `update()` defers (returns only the
+new token) and the absorbed attention calls `mla_layer_decode`:
+
+    body (packed pages)  -> the fused MLA kernel (Triton; the torch twin on the torch backend)
+    sinks + tail (exact) -> the same math in torch (a few dozen tokens)
+    -> partial outputs merged by their log-sum-exps
+
+so each step reads the packed latent once and never materialises it densely. `decode_allowed` turns the
+mask the attention receives into the [B, T] keep-mask the kernels read (any padding, not only left).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvcompress.kernels.mla_decode import (
+    MlaLatent,
+    default_num_splits,
+    merge_partials,
+    mla_decode_torch,
+    mla_decode_triton,
+)
+
+
+def _pow2(n: int) -> bool:
+    return n >= 16 and n & (n - 1) == 0
+
+
+def latent_dims_supported(latent_dim: int, rope_dim: int) -> bool:
+    """The kernel tiles the latent and the RoPE key whole: both powers of two, at least 16."""
+    return _pow2(latent_dim) and _pow2(rope_dim)
+
+
+def mla_fused_supported(layer) -> bool:
+    """Whether `mla_layer_decode` can read this compressed MLA layer's body as stored: the latent as
+    4-bit channel NUQ (one codebook, no rotation) or exact, k_rot as dynamic E4M3 or exact; no sparsity."""
+    from kvcompress.quant.fp8 import Fp8Codec
+    from kvcompress.quant.identity import IdentityCodec
+    from kvcompress.quant.nuq import NuqCodec
+
+    if getattr(layer, "sparse", None) is not None:
+        return False
+    kc, vc = layer.key_store.codec, layer.value_store.codec
+    if isinstance(kc, NuqCodec):
+        if kc.axis != "channel" or kc.nbits != 4 or kc.rotation_signs is not None or kc.codebook.dim() != 1:
+            return False
+    elif not isinstance(kc, IdentityCodec):
+        return False
+    if isinstance(vc, Fp8Codec):
+        if vc.fmt != "e4m3" or vc.static_scale is not None or vc.channel_shift is not None:
+            return False
+    elif not isinstance(vc, IdentityCodec):
+        return False
+    return latent_dims_supported(layer.tail_k.shape[-1], layer.tail_v.shape[-1]) and _pow2(kc.page_size)
+
+
+def decode_allowed(additive: torch.Tensor | None, batch: int, kv_len: int) -> torch.Tensor | None:
+    """The additive mask [B|1, 1, 1, T] of a decode step (kvcompress.layout.mla_attention.additive_mask)
+    -> keep-mask [B, T] bool, or None when nothing is masked."""
+    if additive is None:
+        return None
+    row = additive[:, 0, -1, -kv_len:]
+    return (row > torch.finfo(row.dtype).min / 2).expand(batch, kv_len).contiguous()
+
+
+# Kernel launch per latent kind (packed 4-bit / dense), the fastest in `benchmarks/mla_decode.py`'s sweep on
+# the H200 at DeepSeek-V3 sizes (BENCHMARKS.md, issue 8): 64 heads per program halve the latent reads of
+# 32 and share one 64-row tensor-core tile; a second pipeline stage fits in shared memory only for the dense
+# latent (the packed one's dequantized tile needs its own buffer).
+LAUNCH = {
+    "packed": {"block_h": 64, "num_warps": 8, "num_stages": 1},
+    "dense": {"block_h": 64, "num_warps": 8, "num_stages": 2},
+}
+
+
+def mla_attend(q_latent, q_rope, latent: MlaLatent, scaling: float, allowed, backend: str, launch=None):
+    """Partial outputs [B, H, S, R] and lse [B, H, S] of the fused kernel (or its twin) over `latent`."""
+    b, h, _ = q_latent.shape
+    if backend == "triton":
+        launch = dict(launch or LAUNCH["packed" if latent.is_packed else "dense"])
+        block_h = launch.setdefault("block_h", 16)
+        splits = launch.pop("num_splits", None) or default_num_splits(b, h, latent.num_tokens, block_h)
+        return mla_decode_triton(q_latent, q_rope, latent, scaling, splits, allowed, **launch)
+    return mla_decode_torch(q_latent, q_rope, latent, scaling, 1, allowed)
+
+
+def mla_layer_decode(
+    layer,
+    q_latent: torch.Tensor,
+    q_rope: torch.Tensor,
+    scaling: float,
+    allowed: torch.Tensor | None,
+    backend: str = "triton",
+) -> torch.Tensor:
+    """q_latent [B, H, R], q_rope [B, H, Dr] over a deferred layer (new token already in its tail),
+    allowed [B, held] bool or None -> o_latent [B, H, R] float32."""
+    n_sink, n_body = layer.sink_k.shape[2], layer.key_store.n_tokens
+    outs, lses = [], []
+    if n_body:
+        body = MlaLatent.from_stores(layer.key_store, layer.value_store, q_latent.dtype)
+        keep = allowed[:, n_sink: n_sink + n_body].contiguous() if allowed is not None else None
+        out, lse = mla_attend(q_latent, q_rope, body, scaling, keep, backend)
+        outs.append(out)
+        lses.append(lse)
+    exact = MlaLatent(
+        kv=torch.cat([layer.sink_k, layer.tail_k], 2)[:, 0].to(q_latent.dtype),
+        k_rot=torch.cat([layer.sink_v, layer.tail_v], 2)[:, 0].to(q_rope.dtype),
+        latent_dim=q_latent.shape[-1],
+    )
+    keep = None
+    if allowed is not None:
+        keep = torch.cat([allowed[:, :n_sink], allowed[:, n_sink + n_body:]], 1)
+    out, lse = mla_decode_torch(q_latent, q_rope, exact, scaling, 1, keep)
+    outs.append(out)
+    lses.append(lse)
+    return merge_partials(torch.cat(outs, 2), torch.cat(lses, 2))
