@@ -1,14 +1,14 @@
 """Triton side of the fused MLA decode (see kvcompress.kernels.mla_decode for the math and the twin).
 
 Grid: (head block, batch, split). Each program takes BLOCK_H query heads of one sequence and a
-contiguous range of tiles of BLOCK_N tokens (a tile is one page when the latent is packed): it
-dequantizes the tile in registers (4-bit codes -> codebook -> * channel scale + channel mean),
-scores it against the heads' absorbed queries, and keeps an online softmax in base 2. The head blocks
-of one (sequence, split) are neighbours in launch order, so they run together and read the same latent
-tiles from L2 rather than each from HBM. An optional mask [B, T] (nonzero: attend) drops tokens such
-as left padding.
+contiguous range of tiles of BLOCK_N tokens, scores each tile against the heads' absorbed queries and
+keeps an online softmax in base 2. The head blocks of one (sequence, split) are neighbours in launch
+order, so they run together and read the same latent tiles from L2 rather than each from HBM. An
+optional mask [B, T] (nonzero: attend) drops tokens such as padding.
 
-Importing this module imports Triton; `kvcompress.kernels.mla_decode` does so only when asked.
+This file's kernel reads a dense latent (bf16 / fp16 / fp32); a packed 4-bit latent goes to
+`kvcompress.kernels.mla_decode_packed_triton`, which `mla_decode_triton` dispatches to. Importing this
+module imports Triton; `kvcompress.kernels.mla_decode` does so only when asked.
 """
 
 from __future__ import annotations
@@ -22,36 +22,15 @@ from kvcompress.kernels.mla_decode import MlaLatent
 LOG2E = 1.4426950408889634  # 1/ln(2): softmax in base 2
 
 
-@triton.jit
-def _outliers(KV, CB, CMEAN, CSCALE, OIDX, OVAL, b, blk, chunk, stride_kvb, stride_kvt, stride_cmb,
-              stride_oib, stride_oip, R: tl.constexpr, BLOCK_N: tl.constexpr, N_OUT: tl.constexpr,
-              OUT_CHUNK: tl.constexpr, TILE_DTYPE: tl.constexpr):
-    """One chunk of a page's outliers: channel c, token in page t_loc, and the exact value minus
-    the dense-dequantized one (0 past the list's end)."""
-    offs_o = chunk + tl.arange(0, OUT_CHUNK)
-    o_mask = offs_o < N_OUT
-    idx = tl.load(OIDX + b * stride_oib + blk * stride_oip + offs_o, mask=o_mask, other=0).to(tl.int32)
-    val = tl.load(OVAL + b * stride_oib + blk * stride_oip + offs_o, mask=o_mask, other=0.0).to(tl.float32)
-    t_loc = idx // R
-    c = idx % R
-    byte = tl.load(KV + b * stride_kvb + (blk * BLOCK_N + t_loc) * stride_kvt + c // 2)
-    code = (byte >> ((c % 2) * 4).to(tl.uint8)) & 0xF
-    dense = tl.load(CB + code.to(tl.int32)) * tl.load(CSCALE + b * stride_cmb + c) + tl.load(CMEAN + b * stride_cmb + c)
-    delta = tl.where(o_mask, val - dense.to(TILE_DTYPE).to(tl.float32), 0.0)
-    return c, tl.where(o_mask, t_loc, -1), delta
-
-
 @triton.jit(do_not_specialize=("T", "blocks_per_split"))
 def _mla_decode_kernel(
-    QL, QR, Out, Lse, KV, KR, KRS, CB, CMEAN, CSCALE, OIDX, OVAL, MASK,
+    QL, QR, Out, Lse, KV, KR, KRS, MASK,
     stride_qlb, stride_qlh, stride_qrb, stride_qrh, stride_mb,
     stride_kvb, stride_kvt, stride_krb, stride_krt, stride_krsb,
-    stride_cmb, stride_oib, stride_oip,
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
     H, T, blocks_per_split, qk_scale,
     R: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    PACKED: tl.constexpr, KR_FP8: tl.constexpr, N_OUT: tl.constexpr, OUT_CHUNK: tl.constexpr,
-    HAS_MASK: tl.constexpr,
+    KR_FP8: tl.constexpr, HAS_MASK: tl.constexpr,
 ):
     b = tl.program_id(1)
     offs_h = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -63,9 +42,6 @@ def _mla_decode_kernel(
 
     ql = tl.load(QL + b * stride_qlb + offs_h[:, None] * stride_qlh + offs_r[None, :], mask=h_mask[:, None], other=0.0)
     qr = tl.load(QR + b * stride_qrb + offs_h[:, None] * stride_qrh + offs_dr[None, :], mask=h_mask[:, None], other=0.0)
-    if PACKED:
-        c_mean = tl.load(CMEAN + b * stride_cmb + offs_r)
-        c_scale = tl.load(CSCALE + b * stride_cmb + offs_r)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -76,55 +52,25 @@ def _mla_decode_kernel(
     for blk in range(first, last):
         offs_n = blk * BLOCK_N + offs_bn
         n_mask = offs_n < T
-        # -- the latent tile [BLOCK_N, R], dequantized in registers
-        if PACKED:
-            byte = tl.load(KV + b * stride_kvb + offs_n[:, None] * stride_kvt + (offs_r // 2)[None, :],
-                           mask=n_mask[:, None], other=0)
-            code = (byte >> ((offs_r % 2) * 4)[None, :].to(tl.uint8)) & 0xF  # low nibble first
-            kv = tl.load(CB + code.to(tl.int32)) * c_scale[None, :] + c_mean[None, :]
-            kv = kv.to(ql.dtype)
-        else:
-            kv = tl.load(KV + b * stride_kvb + offs_n[:, None] * stride_kvt + offs_r[None, :],
-                         mask=n_mask[:, None], other=0.0)
+        kv = tl.load(KV + b * stride_kvb + offs_n[:, None] * stride_kvt + offs_r[None, :], mask=n_mask[:, None], other=0.0)
         kr = tl.load(KR + b * stride_krb + offs_n[:, None] * stride_krt + offs_dr[None, :], mask=n_mask[:, None], other=0)
         if KR_FP8:
             kr_scale = tl.load(KRS + b * stride_krsb + offs_n, mask=n_mask, other=0.0).to(tl.float32)
             kr = (kr.to(tl.float8e4nv, bitcast=True).to(tl.float32) * kr_scale[:, None])
         kr = kr.to(qr.dtype)
         # -- scores [BLOCK_H, BLOCK_N]
-        s = tl.dot(ql, tl.trans(kv)) + tl.dot(qr, tl.trans(kr))
-        if N_OUT > 0:
-            for chunk in tl.static_range(0, N_OUT, OUT_CHUNK):
-                c, t_loc, delta = _outliers(KV, CB, CMEAN, CSCALE, OIDX, OVAL, b, blk, chunk, stride_kvb,
-                                            stride_kvt, stride_cmb, stride_oib, stride_oip,
-                                            R, BLOCK_N, N_OUT, OUT_CHUNK, ql.dtype)
-                qg = tl.load(QL + b * stride_qlb + offs_h[:, None] * stride_qlh + c[None, :],
-                             mask=h_mask[:, None], other=0.0).to(tl.float32)  # [BLOCK_H, OUT_CHUNK]
-                hit_t = (t_loc[:, None] == offs_bn[None, :]).to(tl.float32)  # [OUT_CHUNK, BLOCK_N]
-                s += tl.dot((qg * delta[None, :]).to(ql.dtype), hit_t.to(ql.dtype))
-        s = s * qk_scale
+        s = (tl.dot(ql, tl.trans(kv)) + tl.dot(qr, tl.trans(kr))) * qk_scale
         keep = n_mask
         if HAS_MASK:
             keep = keep & (tl.load(MASK + b * stride_mb + offs_n, mask=n_mask, other=0) != 0)
         s = tl.where(keep[None, :], s, float("-inf"))
-        # -- update m_i and l_i
+        # -- online softmax (a row with every token so far masked keeps m = -inf and p = 0, not NaN)
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        # a row with every token so far masked keeps m = -inf: subtract 0 there instead (p = 0, not NaN)
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_sub)
         p = tl.exp2(s - m_sub[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv)
-        if N_OUT > 0:
-            p32 = p.to(kv.dtype).to(tl.float32)
-            for chunk in tl.static_range(0, N_OUT, OUT_CHUNK):
-                c, t_loc, delta = _outliers(KV, CB, CMEAN, CSCALE, OIDX, OVAL, b, blk, chunk, stride_kvb,
-                                            stride_kvt, stride_cmb, stride_oib, stride_oip,
-                                            R, BLOCK_N, N_OUT, OUT_CHUNK, ql.dtype)
-                hit_t = (offs_bn[:, None] == t_loc[None, :]).to(tl.float32)  # [BLOCK_N, OUT_CHUNK]
-                pg = tl.dot(p32, hit_t) * delta[None, :]  # [BLOCK_H, OUT_CHUNK]
-                hit_c = (c[:, None] == offs_r[None, :]).to(tl.float32)  # [OUT_CHUNK, R]
-                acc += tl.dot(pg.to(kv.dtype), hit_c.to(kv.dtype))
         m_i = m_new
 
     out = acc / tl.maximum(l_i, 1e-30)[:, None]
@@ -146,26 +92,20 @@ def mla_decode_triton(
     num_stages: int = 1,
     outlier_chunk: int = 32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as `mla_decode_torch`; block_h heads per program, tiles of latent.page_size tokens."""
+    """Same contract as `mla_decode_torch`; block_h heads per program, tiles of latent.page_size tokens;
+    outlier_chunk: outliers per one-hot correction (packed latents with outliers)."""
     b, h, r = q_latent.shape
     assert r == latent.latent_dim and r & (r - 1) == 0, f"latent width {r} must be a power of two"
     assert q_rope.shape[:2] == (b, h) and q_rope.shape[-1] == latent.k_rot.shape[-1]
     assert q_latent.stride(-1) == 1 and q_rope.stride(-1) == 1, "q_latent / q_rope need a contiguous last dim"
     assert latent.kv.stride(-1) == 1 and latent.k_rot.stride(-1) == 1, "latent tensors need a contiguous last dim"
-    block_n = latent.page_size
     t = latent.num_tokens
     out = torch.empty(b, h, num_splits, r, device=q_latent.device, dtype=torch.float32)
     lse = torch.empty(b, h, num_splits, device=q_latent.device, dtype=torch.float32)
-    blocks = triton.cdiv(t, block_n)
-    per_split = triton.cdiv(blocks, num_splits)
+    per_split = triton.cdiv(triton.cdiv(t, latent.page_size), num_splits)
     kv, k_rot = latent.kv, latent.k_rot
     dummy = q_latent.new_zeros(1)
     krs = latent.k_rot_scale if latent.k_rot_scale is not None else dummy
-    cb = latent.codebook.to(q_latent.device, torch.float32) if latent.is_packed else dummy
-    cmean = latent.channel_mean.float().contiguous() if latent.is_packed else dummy
-    cscale = latent.channel_scale.float().contiguous() if latent.is_packed else dummy
-    oidx = latent.outlier_idx if latent.num_outliers else dummy
-    oval = latent.outlier_val if latent.num_outliers else dummy
     if allowed is not None:
         assert allowed.shape == (b, t), f"allowed {tuple(allowed.shape)} must be [B, T] = {(b, t)}"
         mask = allowed.to(torch.uint8) if allowed.dtype == torch.bool else allowed
@@ -173,18 +113,30 @@ def mla_decode_triton(
     else:
         mask = dummy
     grid = (triton.cdiv(h, block_h), b, num_splits)
-    _mla_decode_kernel[grid](
-        q_latent, q_rope, out, lse, kv, k_rot, krs, cb, cmean, cscale, oidx, oval, mask,
+    common = (
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
         mask.stride(0) if allowed is not None else 0,
         kv.stride(0), kv.stride(1), k_rot.stride(0), k_rot.stride(1), krs.stride(0) if krs.dim() > 1 else 0,
-        cmean.stride(0) if cmean.dim() > 1 else 0,
-        oidx.stride(0) if oidx.dim() > 1 else 0, oidx.stride(1) if oidx.dim() > 1 else 0,
-        out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
-        h, t, per_split, scaling * LOG2E,
-        R=r, DR=q_rope.shape[-1], BLOCK_H=block_h, BLOCK_N=block_n,
-        PACKED=latent.is_packed, KR_FP8=latent.k_rot_scale is not None,
-        N_OUT=latent.num_outliers, OUT_CHUNK=outlier_chunk, HAS_MASK=allowed is not None,
-        num_warps=num_warps, num_stages=num_stages,
+    )
+    tail = (out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), h, t, per_split, scaling * LOG2E)
+    meta = dict(R=r, DR=q_rope.shape[-1], BLOCK_H=block_h, BLOCK_N=latent.page_size,
+                KR_FP8=latent.k_rot_scale is not None, HAS_MASK=allowed is not None,
+                num_warps=num_warps, num_stages=num_stages)
+    if not latent.is_packed:
+        _mla_decode_kernel[grid](q_latent, q_rope, out, lse, kv, k_rot, krs, mask, *common, *tail, **meta)
+        return out, lse
+
+    from kvcompress.kernels.mla_decode_packed_triton import _mla_decode_packed_kernel, pair_table
+
+    pair16 = q_latent.dtype in (torch.float16, torch.bfloat16)
+    pair = pair_table(latent.codebook, q_latent.dtype, q_latent.device) if pair16 else dummy
+    cb = latent.codebook.to(q_latent.device, torch.float32)
+    cmean, cscale = latent.channel_mean.float().contiguous(), latent.channel_scale.float().contiguous()
+    oidx = latent.outlier_idx if latent.num_outliers else dummy
+    oval = latent.outlier_val if latent.num_outliers else dummy
+    _mla_decode_packed_kernel[grid](
+        q_latent, q_rope, out, lse, kv, k_rot, krs, cb, pair, cmean, cscale, oidx, oval, mask, *common,
+        cmean.stride(0), oidx.stride(0) if oidx.dim() > 1 else 0, oidx.stride(1) if oidx.dim() > 1 else 0, *tail,
+        N_OUT=latent.num_outliers, OUT_CHUNK=outlier_chunk, PAIR16=pair16, **meta,
     )
     return out, lse

@@ -1,0 +1,184 @@
+"""Triton fused MLA decode over the packed 4-bit NUQ latent (twin: kvcompress.kernels.mla_decode.mla_decode_torch).
+
+Same grid and online softmax as the dense kernel (kvcompress.kernels.mla_decode_triton), with the
+latent tile kept small in registers:
+
+- Even / odd channels. A packed byte holds channels 2j (low nibble) and 2j+1 (high nibble), so the tile
+  is read as two half-width tiles [BLOCK_N, R/2] and the dots run on each half: the scores add the two
+  halves' products, and the output keeps one accumulator per half. No [BLOCK_N, R] tile is ever built.
+- One lookup per byte. For 16-bit queries a 256-entry table holds, per byte value, the two codebook
+  levels as 16-bit floats packed in one int32 (low half = low nibble); fp32 queries look up each nibble.
+- Scales folded out of the tile. x = level * scale[c] + mean[c], so q . x = (q * scale) . level +
+  q . mean: the query is scaled once per program, the means give one score bias per head, and the output
+  is rescaled once at the end. The tile the tensor cores read is the raw levels.
+
+Outliers (exact values at listed positions) correct the score by q[c] * (x - x_dense) and the output by
+p * (x - x_dense) / scale[c], as one-hot matmuls per chunk of a page's outlier list.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_PAIR_TABLES: dict = {}
+
+
+def pair_table(codebook: torch.Tensor, dtype: torch.dtype, device) -> torch.Tensor:
+    """[256] int32: byte v -> level[v & 15] | level[v >> 4] << 16, each level as `dtype` (16-bit) bits.
+    Cached per codebook tensor, version, dtype and device (a captured decode step allocates nothing)."""
+    key = (codebook.data_ptr(), codebook._version, dtype, str(device))
+    table = _PAIR_TABLES.get(key)
+    if table is None:
+        bits = codebook.to(device, dtype).view(torch.int16).to(torch.int64) & 0xFFFF  # [16]
+        v = torch.arange(256, device=device)
+        pair = bits[v & 15] | (bits[v >> 4] << 16)
+        table = torch.where(pair >= 2**31, pair - 2**32, pair).to(torch.int32)
+        _PAIR_TABLES[key] = table
+    return table
+
+
+@triton.jit
+def _outliers(OIDX, OVAL, CSCALE, CMEAN, b, blk, chunk, stride_oib, stride_oip, stride_cmb, levels,
+              R: tl.constexpr, N_OUT: tl.constexpr, OUT_CHUNK: tl.constexpr):
+    """One chunk of a page's outliers: channel c, token in page t_loc (-1 past the list's end), and the
+    exact value minus the value the folded tile gives there (level * scale + mean, level as the tile holds it)."""
+    offs_o = chunk + tl.arange(0, OUT_CHUNK)
+    o_mask = offs_o < N_OUT
+    idx = tl.load(OIDX + b * stride_oib + blk * stride_oip + offs_o, mask=o_mask, other=0).to(tl.int32)
+    val = tl.load(OVAL + b * stride_oib + blk * stride_oip + offs_o, mask=o_mask, other=0.0).to(tl.float32)
+    c = idx % R
+    scale = tl.load(CSCALE + b * stride_cmb + c)
+    dense = levels * scale + tl.load(CMEAN + b * stride_cmb + c)
+    return c, tl.where(o_mask, idx // R, -1), tl.where(o_mask, val - dense, 0.0), scale
+
+
+@triton.jit
+def _levels(KV, CB, PAIR, b, offs_n, n_mask, offs_j, stride_kvb, stride_kvt, DT: tl.constexpr, PAIR16: tl.constexpr):
+    """The tile's codebook levels, even channels [BLOCK_N, R/2] and odd channels [BLOCK_N, R/2], as DT."""
+    byte = tl.load(KV + b * stride_kvb + offs_n[:, None] * stride_kvt + offs_j[None, :], mask=n_mask[:, None], other=0)
+    if PAIR16:
+        w = tl.load(PAIR + byte.to(tl.int32))
+        lo = (w & 0xFFFF).to(tl.uint16).to(DT, bitcast=True)
+        hi = ((w >> 16) & 0xFFFF).to(tl.uint16).to(DT, bitcast=True)
+    else:
+        lo = tl.load(CB + (byte & 0xF).to(tl.int32)).to(DT)
+        hi = tl.load(CB + (byte >> 4).to(tl.int32)).to(DT)
+    return lo, hi
+
+
+@triton.jit(do_not_specialize=("T", "blocks_per_split"))
+def _mla_decode_packed_kernel(
+    QL, QR, Out, Lse, KV, KR, KRS, CB, PAIR, CMEAN, CSCALE, OIDX, OVAL, MASK,
+    stride_qlb, stride_qlh, stride_qrb, stride_qrh, stride_mb,
+    stride_kvb, stride_kvt, stride_krb, stride_krt, stride_krsb,
+    stride_cmb, stride_oib, stride_oip,
+    stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+    H, T, blocks_per_split, qk_scale,
+    R: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    KR_FP8: tl.constexpr, N_OUT: tl.constexpr, OUT_CHUNK: tl.constexpr, HAS_MASK: tl.constexpr,
+    PAIR16: tl.constexpr,
+):
+    RH: tl.constexpr = R // 2
+    b = tl.program_id(1)
+    offs_h = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
+    split = tl.program_id(2)
+    h_mask = offs_h < H
+    offs_j = tl.arange(0, RH)
+    ev, od = 2 * offs_j, 2 * offs_j + 1
+    offs_dr = tl.arange(0, DR)
+    offs_bn = tl.arange(0, BLOCK_N)
+    DT = QL.dtype.element_ty
+
+    # queries folded with the channel scales; the channel means become one score bias per head
+    q_row = QL + b * stride_qlb + offs_h[:, None] * stride_qlh
+    q_ev = tl.load(q_row + ev[None, :], mask=h_mask[:, None], other=0.0).to(tl.float32)
+    q_od = tl.load(q_row + od[None, :], mask=h_mask[:, None], other=0.0).to(tl.float32)
+    sc_ev, sc_od = tl.load(CSCALE + b * stride_cmb + ev), tl.load(CSCALE + b * stride_cmb + od)
+    mu_ev, mu_od = tl.load(CMEAN + b * stride_cmb + ev), tl.load(CMEAN + b * stride_cmb + od)
+    q_bias = tl.sum(q_ev * mu_ev[None, :], 1) + tl.sum(q_od * mu_od[None, :], 1)  # [BLOCK_H]
+    qs_ev = (q_ev * sc_ev[None, :]).to(DT)
+    qs_od = (q_od * sc_od[None, :]).to(DT)
+    qr = tl.load(QR + b * stride_qrb + offs_h[:, None] * stride_qrh + offs_dr[None, :], mask=h_mask[:, None], other=0.0)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc_ev = tl.zeros([BLOCK_H, RH], tl.float32)
+    acc_od = tl.zeros([BLOCK_H, RH], tl.float32)
+    n_blocks = tl.cdiv(T, BLOCK_N)
+    first = split * blocks_per_split
+    last = tl.minimum(first + blocks_per_split, n_blocks)
+    for blk in range(first, last):
+        offs_n = blk * BLOCK_N + offs_bn
+        n_mask = offs_n < T
+        u_ev, u_od = _levels(KV, CB, PAIR, b, offs_n, n_mask, offs_j, stride_kvb, stride_kvt, DT, PAIR16)
+        kr = tl.load(KR + b * stride_krb + offs_n[:, None] * stride_krt + offs_dr[None, :], mask=n_mask[:, None], other=0)
+        if KR_FP8:
+            kr_scale = tl.load(KRS + b * stride_krsb + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            kr = (kr.to(tl.float8e4nv, bitcast=True).to(tl.float32) * kr_scale[:, None])
+        kr = kr.to(DT)
+        # -- scores [BLOCK_H, BLOCK_N]
+        s = tl.dot(qs_ev, tl.trans(u_ev)) + tl.dot(qs_od, tl.trans(u_od)) + tl.dot(qr, tl.trans(kr))
+        s += q_bias[:, None]
+        if N_OUT > 0:
+            for chunk in tl.static_range(0, N_OUT, OUT_CHUNK):
+                c, t_loc, delta, _ = _outliers(OIDX, OVAL, CSCALE, CMEAN, b, blk, chunk, stride_oib, stride_oip,
+                                               stride_cmb, _outlier_levels(KV, CB, OIDX, b, blk, chunk, stride_kvb,
+                                                                           stride_kvt, stride_oib, stride_oip, R,
+                                                                           BLOCK_N, N_OUT, OUT_CHUNK, DT),
+                                               R, N_OUT, OUT_CHUNK)
+                qg = tl.load(q_row + c[None, :], mask=h_mask[:, None], other=0.0).to(tl.float32)  # [BLOCK_H, OUT_CHUNK]
+                hit_t = (t_loc[:, None] == offs_bn[None, :]).to(tl.float32)  # [OUT_CHUNK, BLOCK_N]
+                s += tl.dot((qg * delta[None, :]).to(DT), hit_t.to(DT))
+        s = s * qk_scale
+        keep = n_mask
+        if HAS_MASK:
+            keep = keep & (tl.load(MASK + b * stride_mb + offs_n, mask=n_mask, other=0) != 0)
+        s = tl.where(keep[None, :], s, float("-inf"))
+        # -- online softmax (a row with every token so far masked keeps m = -inf and p = 0)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_sub)
+        p = tl.exp2(s - m_sub[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        pd = p.to(DT)
+        acc_ev = acc_ev * alpha[:, None] + tl.dot(pd, u_ev)
+        acc_od = acc_od * alpha[:, None] + tl.dot(pd, u_od)
+        if N_OUT > 0:
+            p32 = pd.to(tl.float32)
+            for chunk in tl.static_range(0, N_OUT, OUT_CHUNK):
+                c, t_loc, delta, scale = _outliers(OIDX, OVAL, CSCALE, CMEAN, b, blk, chunk, stride_oib, stride_oip,
+                                                   stride_cmb, _outlier_levels(KV, CB, OIDX, b, blk, chunk,
+                                                                               stride_kvb, stride_kvt, stride_oib,
+                                                                               stride_oip, R, BLOCK_N, N_OUT,
+                                                                               OUT_CHUNK, DT),
+                                                   R, N_OUT, OUT_CHUNK)
+                hit_t = (offs_bn[:, None] == t_loc[None, :]).to(tl.float32)  # [BLOCK_N, OUT_CHUNK]
+                pg = (tl.dot(p32, hit_t) * (delta / scale)[None, :]).to(DT)  # [BLOCK_H, OUT_CHUNK], level units
+                acc_ev += tl.dot(pg, (c[:, None] == ev[None, :]).to(DT))
+                acc_od += tl.dot(pg, (c[:, None] == od[None, :]).to(DT))
+        m_i = m_new
+
+    has = l_i > 0
+    inv_l = 1.0 / tl.maximum(l_i, 1e-30)
+    out_ev = tl.where(has[:, None], acc_ev * inv_l[:, None] * sc_ev[None, :] + mu_ev[None, :], 0.0)
+    out_od = tl.where(has[:, None], acc_od * inv_l[:, None] * sc_od[None, :] + mu_od[None, :], 0.0)
+    lse = tl.where(has, (m_i + tl.log2(tl.maximum(l_i, 1e-30))) * 0.6931471805599453, float("-inf"))  # ln(2)
+    o_row = Out + b * stride_ob + offs_h[:, None] * stride_oh + split * stride_os
+    tl.store(o_row + ev[None, :], out_ev, mask=h_mask[:, None])
+    tl.store(o_row + od[None, :], out_od, mask=h_mask[:, None])
+    tl.store(Lse + b * stride_lb + offs_h * stride_lh + split, lse, mask=h_mask)
+
+
+@triton.jit
+def _outlier_levels(KV, CB, OIDX, b, blk, chunk, stride_kvb, stride_kvt, stride_oib, stride_oip,
+                    R: tl.constexpr, BLOCK_N: tl.constexpr, N_OUT: tl.constexpr, OUT_CHUNK: tl.constexpr,
+                    DT: tl.constexpr):
+    """The codebook level the tile holds at each outlier of the chunk (as DT, then fp32)."""
+    offs_o = chunk + tl.arange(0, OUT_CHUNK)
+    idx = tl.load(OIDX + b * stride_oib + blk * stride_oip + offs_o, mask=offs_o < N_OUT, other=0).to(tl.int32)
+    c = idx % R
+    byte = tl.load(KV + b * stride_kvb + (blk * BLOCK_N + idx // R) * stride_kvt + c // 2)
+    code = (byte >> ((c % 2) * 4).to(tl.uint8)) & 0xF
+    return tl.load(CB + code.to(tl.int32)).to(DT).to(tl.float32)
