@@ -25,6 +25,7 @@ FP8_SHIFTS = ("none", "keys", "both")
 FP8_SHIFT_DEFAULT = "keys"
 QUANT_AXES = ("channel", "token", "page")
 CODEBOOKS = ("gaussian", "laplace", "student_t5")
+OUTLIER_SCOPES = ("page", "token")
 SPARSITY_METHODS = ("none", "streaming", "h2o", "snapkv", "quest")
 # Per-stream tensors a config may carry (key.<name> / value.<name>), and per-layer ones.
 # fp8_scale: calibrated static FP8 scales [H] of the stream as it is (no shift), kept for serving-engine
@@ -53,6 +54,9 @@ class QuantSpec:
     group_size: channels per group for per-token statistics (0 = the whole head).
     codebook: nuq's data-oblivious levels where calibration gives none: Lloyd-Max for a unit-variance
     Gaussian, Laplace or Student-t (5 degrees of freedom) density (the last two for heavy-tailed streams).
+    outlier_scope: where nuq's exact outliers are chosen: the largest `outlier_fraction` of each page
+    ("page"), or the same number in every token ("token": a fixed count per token, which the MLA kernel
+    folds into its tile instead of correcting afterwards).
     """
 
     method: str = "none"
@@ -65,6 +69,7 @@ class QuantSpec:
     bnb_type: str = "nf4"
     bnb_blocksize: int = 64
     codebook: str = "gaussian"
+    outlier_scope: str = "page"
 
     def __post_init__(self):
         if self.method not in QUANT_METHODS:
@@ -90,6 +95,8 @@ class QuantSpec:
                 f"group_size does not apply to method='nuq' (it normalises whole tokens or channels, see "
                 f"`axis`): remove group_size={self.group_size}"
             )
+        if self.outlier_scope not in OUTLIER_SCOPES:
+            raise ConfigError(f"unknown outlier_scope {self.outlier_scope!r}; use one of {OUTLIER_SCOPES}")
         if self.codebook not in CODEBOOKS:
             raise ConfigError(f"unknown codebook {self.codebook!r}; use one of {CODEBOOKS}")
 

@@ -13,7 +13,8 @@ Sliding-window layers always stay exact (they are bounded already). Quantization
 - k8v4: FP8 keys with nuq4 values.
 On an MLA layout (key slot = latent kv_nope, value slot = shared RoPE key k_rot) nuq4/nuq3/nuq2 quantize
 the latent per channel (trained kv_a_layernorm gains differ per channel: 4-10 dB better SQNR than per
-token when they do, equal when they do not) and keep k_rot in FP8.
+token when they do, equal when they do not), keep the largest 1 % of each token's latent exactly (6 of
+512: per token, so the fused MLA kernel folds them into its tile) and keep k_rot in FP8.
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ def _bnb(kind: str) -> LayerFn:
 def _nuq_mla(bits: int, outliers: float = 0.01) -> LayerFn:
     return _uniform(
         LayerPolicy(
-            key=QuantSpec(method="nuq", bits=bits, axis="channel", outlier_fraction=outliers),
+            key=QuantSpec(method="nuq", bits=bits, axis="channel", outlier_fraction=outliers, outlier_scope="token"),
             value=QuantSpec(method="fp8"),
             page_size=64,
             sinks=4,

@@ -163,12 +163,12 @@ def test_quest_mass_and_selection():
 
 
 def test_mla_kernel_deepseek_size():
-    """128 heads over a 4096-token latent of 512 (+64 RoPE), 4-bit codes with outliers and fp8 k_rot."""
+    """128 heads over a 4096-token latent of 512 (+64 RoPE), 4-bit codes with 6 outliers per token and fp8 k_rot."""
     from test_mla import _packed_latent
 
     from kvcompress.kernels.mla_decode import merge_partials, mla_decode_torch, mla_decode_triton
 
-    lat = _packed_latent(2, 4096, 512, 64, 64, 8, fp8_rot=True)
+    lat = _packed_latent(2, 4096, 512, 64, 64, 0, fp8_rot=True, per_token=6)
     lat = type(lat)(**{k: (v.to(DEV) if isinstance(v, torch.Tensor) else v) for k, v in vars(lat).items()})
     g = torch.Generator().manual_seed(29)
     ql, qr = torch.randn(2, 128, 512, generator=g).to(DEV), torch.randn(2, 128, 64, generator=g).to(DEV)

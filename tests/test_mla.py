@@ -201,16 +201,23 @@ def test_nuq4_compressed_latent_runs_absorbed(deepseek, padded_batch):
 
 
 # -- kernel twins -------------------------------------------------------------------------------------
-def _packed_latent(b, t, r, dr, page, n_out, fp8_rot, seed=0):
-    """A random packed latent built by hand (4-bit codes, channel stats, outliers, fp8 k_rot)."""
+def _packed_latent(b, t, r, dr, page, n_out, fp8_rot, seed=0, per_token=0):
+    """A random packed latent built by hand (4-bit codes, channel stats, outliers, fp8 k_rot): n_out
+    outliers per page anywhere in it, or (per_token > 0) that many in every token, listed token by token."""
     g = torch.Generator().manual_seed(seed)
     cb = gaussian_lloyd_max(4)
     codes = torch.randint(0, 16, (b, t, r), generator=g)
     mean, scale = torch.randn(b, r, generator=g) * 0.1, torch.rand(b, r, generator=g) + 0.5
     oidx = oval = None
-    if n_out:
+    if per_token:
+        n_out = per_token * page
+        chans = torch.stack([torch.randperm(r, generator=g)[:per_token].sort().values for _ in range(b * t)])
+        oidx = (torch.arange(t).repeat(b) % page)[:, None] * r + chans  # [B * T, per_token]
+        oidx = oidx.view(b, t // page, n_out).to(torch.int16)
+    elif n_out:
         oidx = torch.stack([torch.randperm(page * r, generator=g)[:n_out].sort().values for _ in range(b * t // page)])
         oidx = oidx.view(b, t // page, n_out).to(torch.int16)
+    if n_out:
         oval = (torch.randn(b, t // page, n_out, generator=g) * 4).to(torch.float16)
     k_rot = torch.randn(b, t, dr, generator=g)
     krs = None
@@ -218,7 +225,8 @@ def _packed_latent(b, t, r, dr, page, n_out, fp8_rot, seed=0):
         krs = (k_rot.abs().amax(-1) / 448).to(torch.float16)
         k_rot = (k_rot / krs.float()[..., None]).to(torch.float8_e4m3fn).view(torch.uint8)
     return MlaLatent(kv=pack(codes, 4), k_rot=k_rot, latent_dim=r, page_size=page, codebook=cb,
-                     channel_mean=mean, channel_scale=scale, outlier_idx=oidx, outlier_val=oval, k_rot_scale=krs)
+                     channel_mean=mean, channel_scale=scale, outlier_idx=oidx, outlier_val=oval, k_rot_scale=krs,
+                     outliers_per_token=per_token)
 
 
 def test_twin_matches_plain_attention():
@@ -247,8 +255,8 @@ def _triton_or_skip():
 @pytest.mark.parametrize(
     "packed,n_out,fp8_rot,heads,t,splits,dtype",
     [
-        (True, 5, True, 6, 64, 2, torch.float32),
-        (True, 5, True, 6, 64, 2, torch.float16),
+        (True, 2, True, 6, 64, 2, torch.float32),
+        (True, 2, True, 6, 64, 2, torch.float16),
         (True, 0, False, 16, 48, 1, torch.float32),
         (True, 0, False, 16, 48, 1, torch.float16),
         (False, 0, False, 20, 40, 3, torch.float32),
@@ -257,13 +265,13 @@ def _triton_or_skip():
 )
 def test_triton_kernel_matches_twin(packed, n_out, fp8_rot, heads, t, splits, dtype):
     """Kernel vs twin on small awkward shapes: heads not a multiple of the block, a ragged last tile
-    (dense), empty splits, outliers, fp8 k_rot. fp32: both sides see the same dequantized tile (1e-3
+    (dense), empty splits, outliers (n_out per token), fp8 k_rot. fp32: both sides see the same dequantized tile (1e-3
     covers exp2 vs exp). fp16: the packed kernel looks levels up in its byte-pair table and rounds the
     query times the channel scale to fp16 where the twin rounds the dequantized latent: 1e-2."""
     mla_decode_triton = _triton_or_skip()
     page = 16
     if packed:
-        lat = _packed_latent(2, t, 32, 16, page, n_out, fp8_rot)
+        lat = _packed_latent(2, t, 32, 16, page, 0, fp8_rot, per_token=n_out)
     else:
         g = torch.Generator().manual_seed(2)
         lat = MlaLatent(kv=torch.randn(2, t, 32, generator=g).to(dtype), k_rot=torch.randn(2, t, 16, generator=g).to(dtype),
@@ -273,7 +281,7 @@ def test_triton_kernel_matches_twin(packed, n_out, fp8_rot, heads, t, splits, dt
     qr = torch.randn(2, heads, 16, generator=g).to(dtype)
     tol = 1e-3 if dtype == torch.float32 else 1e-2
     ref_out, ref_lse = mla_decode_torch(ql, qr, lat, 0.25, num_splits=splits)
-    out, lse = mla_decode_triton(ql, qr, lat, 0.25, num_splits=splits, block_h=16, outlier_chunk=4)
+    out, lse = mla_decode_triton(ql, qr, lat, 0.25, num_splits=splits, block_h=16)
     finite = torch.isfinite(ref_lse)
     assert torch.equal(finite, torch.isfinite(lse))
     assert (lse[finite] - ref_lse[finite]).abs().max() < tol
@@ -281,17 +289,44 @@ def test_triton_kernel_matches_twin(packed, n_out, fp8_rot, heads, t, splits, dt
     assert _rel_err(merged, ref) < tol
 
 
+def test_triton_kernel_refuses_outliers_chosen_per_page():
+    """Outliers listed per page cannot be folded into the tile: a clear error that names the fix."""
+    mla_decode_triton = _triton_or_skip()
+    lat = _packed_latent(1, 32, 32, 16, 16, 5, fp8_rot=False)
+    q = torch.randn(1, 4, 32)
+    with pytest.raises(ValueError, match="outlier_scope='token'"):
+        mla_decode_triton(q, q[..., :16].contiguous(), lat, 0.25)
+
+
+def test_mla_preset_keeps_outliers_per_token():
+    """The MLA nuq4 preset keeps 1 % of each token's latent exactly (6 of 512 at DeepSeek-V3 size): every
+    token of a page has its own, listed token by token, so the fused kernel can read the layer."""
+    from kvcompress.kernels.mla_layer import mla_fused_supported
+
+    cfg = make_tiny_model("deepseek_v3", kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=16,
+                          v_head_dim=16).config
+    cache = CompressedCache(cfg, "nuq4")
+    kv = torch.randn(1, 1, 132, 512)
+    kv[..., 5] *= 30  # one loud channel: a per-page choice would spend every outlier on it
+    cache.update(kv, torch.randn(1, 1, 132, 64), 0)
+    layer = cache.layers[0]
+    idx = layer.key_store.data["outlier_idx"][0, 0].long()  # [pages, 64 * 6]
+    assert idx.shape[-1] == 64 * 6
+    assert torch.equal(idx // 512, torch.arange(64).repeat_interleave(6).expand_as(idx))
+    assert mla_fused_supported(layer)
+
+
 def test_triton_kernel_reads_a_mask():
     """A keep-mask [B, T] with holes, one split wholly masked in one row: kernel = twin, and that split's
     lse is -inf with a zero output (merging it adds nothing)."""
     mla_decode_triton = _triton_or_skip()
-    lat = _packed_latent(2, 64, 32, 16, 16, 3, fp8_rot=True, seed=4)
+    lat = _packed_latent(2, 64, 32, 16, 16, 0, fp8_rot=True, seed=4, per_token=2)
     g = torch.Generator().manual_seed(5)
     allowed = torch.rand(2, 64, generator=g) > 0.3
     allowed[1, :32] = False  # row 1: the first of two splits sees nothing
     ql, qr = torch.randn(2, 5, 32, generator=g), torch.randn(2, 5, 16, generator=g)
     ref_out, ref_lse = mla_decode_torch(ql, qr, lat, 0.25, num_splits=2, allowed=allowed)
-    out, lse = mla_decode_triton(ql, qr, lat, 0.25, num_splits=2, allowed=allowed, block_h=16, outlier_chunk=4)
+    out, lse = mla_decode_triton(ql, qr, lat, 0.25, num_splits=2, allowed=allowed, block_h=16)
     assert torch.isneginf(ref_lse[1, :, 0]).all() and torch.isneginf(lse[1, :, 0]).all()
     assert out[1, :, 0].abs().max() == 0
     finite = torch.isfinite(ref_lse)

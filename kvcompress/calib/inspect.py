@@ -19,7 +19,7 @@ def describe_spec(spec: QuantSpec) -> str:
     if spec.rotation:
         s += " +rot"
     if spec.outlier_fraction:
-        s += f" +{spec.outlier_fraction:.1%} outliers"
+        s += f" +{spec.outlier_fraction:.1%} outliers" + (" per token" if spec.outlier_scope == "token" else "")
     return s
 
 

@@ -32,7 +32,9 @@ class MlaLatent:
 
     kv: dense [B, T, R] latent, or packed NUQ codes [B, T, R * bits / 8] uint8 when `codebook` is set.
     codebook [L] float32, channel_mean / channel_scale [B, R] float32 (u * scale + mean).
-    outlier_idx [B, T / P, K] int16|int32 (position t_in_page * R + c), outlier_val [B, T / P, K].
+    outlier_idx [B, T / P, K] int16|int32 (position t_in_page * R + c, ascending), outlier_val [B, T / P, K];
+    outliers_per_token: when the outliers were chosen per token, their count per token (K = P * that,
+    listed token by token: what the Triton kernel reads); 0 when chosen per page (the twin reads both).
     k_rot: dense [B, T, Dr], or FP8 E4M3 codes [B, T, Dr] uint8 with k_rot_scale [B, T] when given.
     """
 
@@ -47,6 +49,7 @@ class MlaLatent:
     outlier_idx: torch.Tensor | None = None
     outlier_val: torch.Tensor | None = None
     k_rot_scale: torch.Tensor | None = None
+    outliers_per_token: int = 0
 
     def __post_init__(self):
         b, t = self.kv.shape[:2]
@@ -61,6 +64,9 @@ class MlaLatent:
                 raise ValueError(f"packed latent holds whole pages of {self.page_size}, got {t} tokens")
         if (self.outlier_idx is None) != (self.outlier_val is None):
             raise ValueError("outlier_idx and outlier_val come together")
+        if self.outliers_per_token and self.num_outliers != self.outliers_per_token * self.page_size:
+            raise ValueError(f"{self.num_outliers} outliers per page is not {self.outliers_per_token} per token "
+                             f"x {self.page_size} tokens")
 
     @property
     def is_packed(self) -> bool:
@@ -97,7 +103,8 @@ class MlaLatent:
                 channel_scale=scale.reshape(-1, kc.head_dim).expand(b, -1).contiguous(),
             )
             if "outlier_idx" in kd:
-                fields.update(outlier_idx=kd["outlier_idx"][:, 0], outlier_val=kd["outlier_val"][:, 0])
+                fields.update(outlier_idx=kd["outlier_idx"][:, 0], outlier_val=kd["outlier_val"][:, 0],
+                              outliers_per_token=kc.outliers_per_token)
         else:
             fields.update(kv=kc.decode(kd, key_store.row, dtype)[:, 0])
         return cls(**fields)
@@ -180,7 +187,7 @@ def mla_decode_triton(
     allowed: torch.Tensor | None = None,
     **launch,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as `mla_decode_torch`; `launch`: block_h, num_warps, num_stages, outlier_chunk."""
+    """Same contract as `mla_decode_torch`; `launch`: block_h, num_warps, num_stages."""
     from kvcompress.kernels.backend import triton_available
 
     if not triton_available():

@@ -12,8 +12,9 @@ latent tile kept small in registers:
   q . mean: the query is scaled once per program, the means give one score bias per head, and the output
   is rescaled once at the end. The tile the tensor cores read is the raw levels.
 
-Outliers (exact values at listed positions) correct the score by q[c] * (x - x_dense) and the output by
-p * (x - x_dense) / scale[c], as one-hot matmuls per chunk of a page's outlier list.
+- Outliers folded into the tile. The kernel reads outliers chosen per token (`outlier_scope="token"`: K per
+  token, listed token by token): each one replaces its element of the level tile by its exact value in
+  level units, (x - mean[c]) / scale[c], so the dots need no correction afterwards.
 """
 
 from __future__ import annotations
@@ -40,21 +41,6 @@ def pair_table(codebook: torch.Tensor, dtype: torch.dtype, device) -> torch.Tens
 
 
 @triton.jit
-def _outliers(OIDX, OVAL, CSCALE, CMEAN, b, blk, chunk, stride_oib, stride_oip, stride_cmb, levels,
-              R: tl.constexpr, N_OUT: tl.constexpr, OUT_CHUNK: tl.constexpr):
-    """One chunk of a page's outliers: channel c, token in page t_loc (-1 past the list's end), and the
-    exact value minus the value the folded tile gives there (level * scale + mean, level as the tile holds it)."""
-    offs_o = chunk + tl.arange(0, OUT_CHUNK)
-    o_mask = offs_o < N_OUT
-    idx = tl.load(OIDX + b * stride_oib + blk * stride_oip + offs_o, mask=o_mask, other=0).to(tl.int32)
-    val = tl.load(OVAL + b * stride_oib + blk * stride_oip + offs_o, mask=o_mask, other=0.0).to(tl.float32)
-    c = idx % R
-    scale = tl.load(CSCALE + b * stride_cmb + c)
-    dense = levels * scale + tl.load(CMEAN + b * stride_cmb + c)
-    return c, tl.where(o_mask, idx // R, -1), tl.where(o_mask, val - dense, 0.0), scale
-
-
-@triton.jit
 def _levels(KV, CB, PAIR, b, offs_n, n_mask, offs_j, stride_kvb, stride_kvt, DT: tl.constexpr, PAIR16: tl.constexpr):
     """The tile's codebook levels, even channels [BLOCK_N, R/2] and odd channels [BLOCK_N, R/2], as DT."""
     byte = tl.load(KV + b * stride_kvb + offs_n[:, None] * stride_kvt + offs_j[None, :], mask=n_mask[:, None], other=0)
@@ -77,8 +63,7 @@ def _mla_decode_packed_kernel(
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
     H, T, blocks_per_split, qk_scale,
     R: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    KR_FP8: tl.constexpr, N_OUT: tl.constexpr, OUT_CHUNK: tl.constexpr, HAS_MASK: tl.constexpr,
-    PAIR16: tl.constexpr,
+    KR_FP8: tl.constexpr, K_TOK: tl.constexpr, HAS_MASK: tl.constexpr, PAIR16: tl.constexpr,
 ):
     RH: tl.constexpr = R // 2
     b = tl.program_id(1)
@@ -113,6 +98,14 @@ def _mla_decode_packed_kernel(
         offs_n = blk * BLOCK_N + offs_bn
         n_mask = offs_n < T
         u_ev, u_od = _levels(KV, CB, PAIR, b, offs_n, n_mask, offs_j, stride_kvb, stride_kvt, DT, PAIR16)
+        for k in tl.static_range(K_TOK):  # each token's k-th outlier replaces its element of the tile
+            o_ptr = b * stride_oib + blk * stride_oip + offs_bn * K_TOK + k
+            c = tl.load(OIDX + o_ptr).to(tl.int32) % R
+            z = (tl.load(OVAL + o_ptr).to(tl.float32) - tl.load(CMEAN + b * stride_cmb + c)) / tl.load(
+                CSCALE + b * stride_cmb + c)
+            z = z.to(DT)[:, None]
+            u_ev = tl.where(c[:, None] == ev[None, :], z, u_ev)
+            u_od = tl.where(c[:, None] == od[None, :], z, u_od)
         kr = tl.load(KR + b * stride_krb + offs_n[:, None] * stride_krt + offs_dr[None, :], mask=n_mask[:, None], other=0)
         if KR_FP8:
             kr_scale = tl.load(KRS + b * stride_krsb + offs_n, mask=n_mask, other=0.0).to(tl.float32)
@@ -121,16 +114,6 @@ def _mla_decode_packed_kernel(
         # -- scores [BLOCK_H, BLOCK_N]
         s = tl.dot(qs_ev, tl.trans(u_ev)) + tl.dot(qs_od, tl.trans(u_od)) + tl.dot(qr, tl.trans(kr))
         s += q_bias[:, None]
-        if N_OUT > 0:
-            for chunk in tl.static_range(0, N_OUT, OUT_CHUNK):
-                c, t_loc, delta, _ = _outliers(OIDX, OVAL, CSCALE, CMEAN, b, blk, chunk, stride_oib, stride_oip,
-                                               stride_cmb, _outlier_levels(KV, CB, OIDX, b, blk, chunk, stride_kvb,
-                                                                           stride_kvt, stride_oib, stride_oip, R,
-                                                                           BLOCK_N, N_OUT, OUT_CHUNK, DT),
-                                               R, N_OUT, OUT_CHUNK)
-                qg = tl.load(q_row + c[None, :], mask=h_mask[:, None], other=0.0).to(tl.float32)  # [BLOCK_H, OUT_CHUNK]
-                hit_t = (t_loc[:, None] == offs_bn[None, :]).to(tl.float32)  # [OUT_CHUNK, BLOCK_N]
-                s += tl.dot((qg * delta[None, :]).to(DT), hit_t.to(DT))
         s = s * qk_scale
         keep = n_mask
         if HAS_MASK:
@@ -145,19 +128,6 @@ def _mla_decode_packed_kernel(
         pd = p.to(DT)
         acc_ev = acc_ev * alpha[:, None] + tl.dot(pd, u_ev)
         acc_od = acc_od * alpha[:, None] + tl.dot(pd, u_od)
-        if N_OUT > 0:
-            p32 = pd.to(tl.float32)
-            for chunk in tl.static_range(0, N_OUT, OUT_CHUNK):
-                c, t_loc, delta, scale = _outliers(OIDX, OVAL, CSCALE, CMEAN, b, blk, chunk, stride_oib, stride_oip,
-                                                   stride_cmb, _outlier_levels(KV, CB, OIDX, b, blk, chunk,
-                                                                               stride_kvb, stride_kvt, stride_oib,
-                                                                               stride_oip, R, BLOCK_N, N_OUT,
-                                                                               OUT_CHUNK, DT),
-                                                   R, N_OUT, OUT_CHUNK)
-                hit_t = (offs_bn[:, None] == t_loc[None, :]).to(tl.float32)  # [BLOCK_N, OUT_CHUNK]
-                pg = (tl.dot(p32, hit_t) * (delta / scale)[None, :]).to(DT)  # [BLOCK_H, OUT_CHUNK], level units
-                acc_ev += tl.dot(pg, (c[:, None] == ev[None, :]).to(DT))
-                acc_od += tl.dot(pg, (c[:, None] == od[None, :]).to(DT))
         m_i = m_new
 
     has = l_i > 0
@@ -170,15 +140,3 @@ def _mla_decode_packed_kernel(
     tl.store(o_row + od[None, :], out_od, mask=h_mask[:, None])
     tl.store(Lse + b * stride_lb + offs_h * stride_lh + split, lse, mask=h_mask)
 
-
-@triton.jit
-def _outlier_levels(KV, CB, OIDX, b, blk, chunk, stride_kvb, stride_kvt, stride_oib, stride_oip,
-                    R: tl.constexpr, BLOCK_N: tl.constexpr, N_OUT: tl.constexpr, OUT_CHUNK: tl.constexpr,
-                    DT: tl.constexpr):
-    """The codebook level the tile holds at each outlier of the chunk (as DT, then fp32)."""
-    offs_o = chunk + tl.arange(0, OUT_CHUNK)
-    idx = tl.load(OIDX + b * stride_oib + blk * stride_oip + offs_o, mask=offs_o < N_OUT, other=0).to(tl.int32)
-    c = idx % R
-    byte = tl.load(KV + b * stride_kvb + (blk * BLOCK_N + idx // R) * stride_kvt + c // 2)
-    code = (byte >> ((c % 2) * 4).to(tl.uint8)) & 0xF
-    return tl.load(CB + code.to(tl.int32)).to(DT).to(tl.float32)

@@ -90,10 +90,9 @@ def mla_decode_triton(
     block_h: int = 16,
     num_warps: int = 4,
     num_stages: int = 1,
-    outlier_chunk: int = 32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as `mla_decode_torch`; block_h heads per program, tiles of latent.page_size tokens;
-    outlier_chunk: outliers per one-hot correction (packed latents with outliers)."""
+    """Same contract as `mla_decode_torch`; block_h heads per program, tiles of latent.page_size tokens.
+    A packed latent's outliers must be chosen per token (`latent.outliers_per_token`)."""
     b, h, r = q_latent.shape
     assert r == latent.latent_dim and r & (r - 1) == 0, f"latent width {r} must be a power of two"
     assert q_rope.shape[:2] == (b, h) and q_rope.shape[-1] == latent.k_rot.shape[-1]
@@ -128,6 +127,11 @@ def mla_decode_triton(
 
     from kvcompress.kernels.mla_decode_packed_triton import _mla_decode_packed_kernel, pair_table
 
+    if latent.num_outliers and not latent.outliers_per_token:
+        raise ValueError(
+            "the MLA kernel reads outliers chosen per token (QuantSpec(outlier_scope='token')); this latent's "
+            "are chosen per page: attend over it with mla_decode_torch, or quantize with outlier_scope='token'"
+        )
     pair16 = q_latent.dtype in (torch.float16, torch.bfloat16)
     pair = pair_table(latent.codebook, q_latent.dtype, q_latent.device) if pair16 else dummy
     cb = latent.codebook.to(q_latent.device, torch.float32)
@@ -137,6 +141,6 @@ def mla_decode_triton(
     _mla_decode_packed_kernel[grid](
         q_latent, q_rope, out, lse, kv, k_rot, krs, cb, pair, cmean, cscale, oidx, oval, mask, *common,
         cmean.stride(0), oidx.stride(0) if oidx.dim() > 1 else 0, oidx.stride(1) if oidx.dim() > 1 else 0, *tail,
-        N_OUT=latent.num_outliers, OUT_CHUNK=outlier_chunk, PAIR16=pair16, **meta,
+        K_TOK=latent.outliers_per_token, PAIR16=pair16, **meta,
     )
     return out, lse

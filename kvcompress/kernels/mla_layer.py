@@ -36,7 +36,8 @@ def latent_dims_supported(latent_dim: int, rope_dim: int) -> bool:
 
 def mla_fused_supported(layer) -> bool:
     """Whether `mla_layer_decode` can read this compressed MLA layer's body as stored: the latent as
-    4-bit channel NUQ (one codebook, no rotation) or exact, k_rot as dynamic E4M3 or exact; no sparsity."""
+    4-bit channel NUQ (one codebook, no rotation, outliers if any chosen per token) or exact, k_rot as
+    dynamic E4M3 or exact; no sparsity."""
     from kvcompress.quant.fp8 import Fp8Codec
     from kvcompress.quant.identity import IdentityCodec
     from kvcompress.quant.nuq import NuqCodec
@@ -46,6 +47,8 @@ def mla_fused_supported(layer) -> bool:
     kc, vc = layer.key_store.codec, layer.value_store.codec
     if isinstance(kc, NuqCodec):
         if kc.axis != "channel" or kc.nbits != 4 or kc.rotation_signs is not None or kc.codebook.dim() != 1:
+            return False
+        if kc.n_outliers and not kc.outliers_per_token:
             return False
     elif not isinstance(kc, IdentityCodec):
         return False

@@ -49,6 +49,7 @@ def make_codec(
             nbits=spec.bits,
             axis=spec.axis,
             outlier_fraction=spec.outlier_fraction,
+            outlier_scope=spec.outlier_scope,
             codebook=tensors.get("codebook"),
             default_codebook=spec.codebook,
             rotation_signs=signs if spec.rotation else None,

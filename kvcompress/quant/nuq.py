@@ -39,6 +39,7 @@ class NuqCodec(Codec):
     nbits: int = 4
     axis: str = "token"
     outlier_fraction: float = 0.0
+    outlier_scope: str = "page"  # "page": the largest of each page; "token": the same count in every token
     codebook: torch.Tensor | None = None  # [L] or [H, L] float32, sorted
     rotation_signs: torch.Tensor | None = None  # [D]
     channel_mean: torch.Tensor | None = None  # [H, D] calibrated
@@ -56,9 +57,19 @@ class NuqCodec(Codec):
 
     @property
     def n_outliers(self) -> int:
+        """Outliers per page (per kv head)."""
         if self.outlier_fraction <= 0:
             return 0
+        if self.outlier_scope == "token":
+            return self.page_size * self.outliers_per_token
         return math.ceil(self.outlier_fraction * self.page_size * self.head_dim)
+
+    @property
+    def outliers_per_token(self) -> int:
+        """With outlier_scope "token": how many of each token's elements are kept exactly (else 0)."""
+        if self.outlier_fraction <= 0 or self.outlier_scope != "token":
+            return 0
+        return math.ceil(self.outlier_fraction * self.head_dim)
 
     @property
     def _idx_dtype(self):
@@ -152,11 +163,18 @@ class NuqCodec(Codec):
         return out
 
     def _outlier_mask(self, u, out, xf):
-        """Pick the top |u| elements of each page; record positions and exact values in `out`."""
+        """Pick the top |u| elements of each page (or of each token, with outlier_scope "token"); record
+        positions (t_in_page * D + c, ascending) and exact values in `out`."""
         b, h, n, d = u.shape
         pages = n // self.page_size
         flat = u.abs().reshape(b, h, pages, self.page_size * d)
-        idx = flat.topk(self.n_outliers, dim=-1).indices.sort(-1).values  # [B, H, n_pages, k]
+        if self.outlier_scope == "token":
+            k = self.outliers_per_token
+            c = u.abs().topk(k, dim=-1).indices.sort(-1).values  # [B, H, N, k]
+            t_in_page = (torch.arange(n, device=u.device) % self.page_size)[:, None]
+            idx = (t_in_page * d + c).reshape(b, h, pages, self.page_size * k)
+        else:
+            idx = flat.topk(self.n_outliers, dim=-1).indices.sort(-1).values  # [B, H, n_pages, k]
         out["outlier_idx"] = idx.to(self._idx_dtype)
         out["outlier_val"] = xf.reshape(b, h, pages, -1).gather(-1, idx).to(self.outlier_dtype)
         mask = torch.zeros_like(flat, dtype=torch.bool).scatter_(-1, idx, True)
