@@ -64,6 +64,7 @@ def _mla_decode_packed_kernel(
     H, T, blocks_per_split, qk_scale,
     R: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     KR_FP8: tl.constexpr, K_TOK: tl.constexpr, HAS_MASK: tl.constexpr, PAIR16: tl.constexpr,
+    TILE_F16: tl.constexpr,
 ):
     RH: tl.constexpr = R // 2
     b = tl.program_id(1)
@@ -74,7 +75,9 @@ def _mla_decode_packed_kernel(
     ev, od = 2 * offs_j, 2 * offs_j + 1
     offs_dr = tl.arange(0, DR)
     offs_bn = tl.arange(0, BLOCK_N)
-    DT = QL.dtype.element_ty
+    # the dots' operand type: the query's, or fp16 for fp32 queries on a GPU (two fp32 half tiles, each used
+    # twice, would not fit in shared memory; fp16 keeps the 10-bit mantissa of the tf32 dots fp32 would get)
+    DT: tl.constexpr = tl.float16 if TILE_F16 else QL.dtype.element_ty
 
     # queries folded with the channel scales; the channel means become one score bias per head
     q_row = QL + b * stride_qlb + offs_h[:, None] * stride_qlh
@@ -86,6 +89,7 @@ def _mla_decode_packed_kernel(
     qs_ev = (q_ev * sc_ev[None, :]).to(DT)
     qs_od = (q_od * sc_od[None, :]).to(DT)
     qr = tl.load(QR + b * stride_qrb + offs_h[:, None] * stride_qrh + offs_dr[None, :], mask=h_mask[:, None], other=0.0)
+    qr = qr.to(DT)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)

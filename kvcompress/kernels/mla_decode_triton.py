@@ -132,8 +132,10 @@ def mla_decode_triton(
             "the MLA kernel reads outliers chosen per token (QuantSpec(outlier_scope='token')); this latent's "
             "are chosen per page: attend over it with mla_decode_torch, or quantize with outlier_scope='token'"
         )
-    pair16 = q_latent.dtype in (torch.float16, torch.bfloat16)
-    pair = pair_table(latent.codebook, q_latent.dtype, q_latent.device) if pair16 else dummy
+    tile_f16 = q_latent.dtype == torch.float32 and q_latent.is_cuda  # see the packed kernel's operand type
+    tile_dtype = torch.float16 if tile_f16 else q_latent.dtype
+    pair16 = tile_dtype in (torch.float16, torch.bfloat16)
+    pair = pair_table(latent.codebook, tile_dtype, q_latent.device) if pair16 else dummy
     cb = latent.codebook.to(q_latent.device, torch.float32)
     cmean, cscale = latent.channel_mean.float().contiguous(), latent.channel_scale.float().contiguous()
     oidx = latent.outlier_idx if latent.num_outliers else dummy
@@ -141,6 +143,6 @@ def mla_decode_triton(
     _mla_decode_packed_kernel[grid](
         q_latent, q_rope, out, lse, kv, k_rot, krs, cb, pair, cmean, cscale, oidx, oval, mask, *common,
         cmean.stride(0), oidx.stride(0) if oidx.dim() > 1 else 0, oidx.stride(1) if oidx.dim() > 1 else 0, *tail,
-        K_TOK=latent.outliers_per_token, PAIR16=pair16, **meta,
+        K_TOK=latent.outliers_per_token, PAIR16=pair16, TILE_F16=tile_f16, **meta,
     )
     return out, lse
