@@ -73,7 +73,8 @@ class NuqCodec(Codec):
 
     @property
     def _idx_dtype(self):
-        return torch.int16 if self.page_size * self.head_dim <= 32767 else torch.int32
+        # positions run 0 .. page_size * head_dim - 1: int16 holds them up to 32768 positions (64 x 512)
+        return torch.int16 if self.page_size * self.head_dim <= 32768 else torch.int32
 
     @property
     def _calibrated_channels(self) -> bool:
