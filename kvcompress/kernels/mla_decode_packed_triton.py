@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvcompress.kernels.mla_decode_triton import _softmax_step
+
 _PAIR_TABLES: dict = {}
 
 
@@ -117,22 +119,11 @@ def _mla_decode_packed_kernel(
         kr = kr.to(DT)
         # -- scores [BLOCK_H, BLOCK_N]
         s = tl.dot(qs_ev, tl.trans(u_ev)) + tl.dot(qs_od, tl.trans(u_od)) + tl.dot(qr, tl.trans(kr))
-        s += q_bias[:, None]
-        s = s * qk_scale
-        keep = n_mask
-        if HAS_MASK:
-            keep = keep & (tl.load(MASK + b * stride_mb + offs_n, mask=n_mask, other=0) != 0)
-        s = tl.where(keep[None, :], s, float("-inf"))
-        # -- online softmax (a row with every token so far masked keeps m = -inf and p = 0)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_sub)
-        p = tl.exp2(s - m_sub[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        s = (s + q_bias[:, None]) * qk_scale
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, MASK, b, stride_mb, offs_n, n_mask, HAS_MASK)
         pd = p.to(DT)
         acc_ev = acc_ev * alpha[:, None] + tl.dot(pd, u_ev)
         acc_od = acc_od * alpha[:, None] + tl.dot(pd, u_od)
-        m_i = m_new
 
     has = l_i > 0
     inv_l = 1.0 / tl.maximum(l_i, 1e-30)

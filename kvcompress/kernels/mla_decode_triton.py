@@ -22,6 +22,22 @@ from kvcompress.kernels.mla_decode import MlaLatent
 LOG2E = 1.4426950408889634  # 1/ln(2): softmax in base 2
 
 
+@triton.jit
+def _softmax_step(s, m_i, l_i, MASK, b, stride_mb, offs_n, n_mask, HAS_MASK: tl.constexpr):
+    """One tile of the online softmax in base 2: scores s [BLOCK_H, BLOCK_N] (already scaled), tokens past
+    T or masked dropped -> (p, alpha, m_new, l_new). A row whose tokens so far are all masked keeps
+    m = -inf and gets p = 0 (not NaN)."""
+    keep = n_mask
+    if HAS_MASK:
+        keep = keep & (tl.load(MASK + b * stride_mb + offs_n, mask=n_mask, other=0) != 0)
+    s = tl.where(keep[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_sub)
+    p = tl.exp2(s - m_sub[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
 @triton.jit(do_not_specialize=("T", "blocks_per_split"))
 def _mla_decode_kernel(
     QL, QR, Out, Lse, KV, KR, KRS, MASK,
@@ -60,18 +76,8 @@ def _mla_decode_kernel(
         kr = kr.to(qr.dtype)
         # -- scores [BLOCK_H, BLOCK_N]
         s = (tl.dot(ql, tl.trans(kv)) + tl.dot(qr, tl.trans(kr))) * qk_scale
-        keep = n_mask
-        if HAS_MASK:
-            keep = keep & (tl.load(MASK + b * stride_mb + offs_n, mask=n_mask, other=0) != 0)
-        s = tl.where(keep[None, :], s, float("-inf"))
-        # -- online softmax (a row with every token so far masked keeps m = -inf and p = 0, not NaN)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_sub)
-        p = tl.exp2(s - m_sub[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, MASK, b, stride_mb, offs_n, n_mask, HAS_MASK)
         acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv)
-        m_i = m_new
 
     out = acc / tl.maximum(l_i, 1e-30)[:, None]
     lse = tl.where(l_i > 0, (m_i + tl.log2(tl.maximum(l_i, 1e-30))) * 0.6931471805599453, float("-inf"))  # ln(2)
