@@ -96,9 +96,11 @@ def mla_decode_triton(
     block_h: int = 16,
     num_warps: int = 4,
     num_stages: int = 1,
+    tile_f16: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `mla_decode_torch`; block_h heads per program, tiles of latent.page_size tokens.
-    A packed latent's outliers must be chosen per token (`latent.outliers_per_token`)."""
+    A packed latent's outliers must be chosen per token (`latent.outliers_per_token`). tile_f16: the packed
+    kernel's dot operands in fp16 for fp32 queries (None: on a GPU, where fp32 tiles do not fit)."""
     b, h, r = q_latent.shape
     assert r == latent.latent_dim and r & (r - 1) == 0, f"latent width {r} must be a power of two"
     assert q_rope.shape[:2] == (b, h) and q_rope.shape[-1] == latent.k_rot.shape[-1]
@@ -138,7 +140,9 @@ def mla_decode_triton(
             "the MLA kernel reads outliers chosen per token (QuantSpec(outlier_scope='token')); this latent's "
             "are chosen per page: attend over it with mla_decode_torch, or quantize with outlier_scope='token'"
         )
-    tile_f16 = q_latent.dtype == torch.float32 and q_latent.is_cuda  # see the packed kernel's operand type
+    if tile_f16 is None:  # see the packed kernel's operand type
+        tile_f16 = q_latent.is_cuda
+    tile_f16 = tile_f16 and q_latent.dtype == torch.float32
     tile_dtype = torch.float16 if tile_f16 else q_latent.dtype
     pair16 = tile_dtype in (torch.float16, torch.bfloat16)
     pair = pair_table(latent.codebook, tile_dtype, q_latent.device) if pair16 else dummy
