@@ -69,10 +69,11 @@ def decode_allowed(additive: torch.Tensor | None, batch: int, kv_len: int) -> to
     return (row > torch.finfo(row.dtype).min / 2).expand(batch, kv_len).contiguous()
 
 
-# Kernel launch per latent kind (packed 4-bit / dense), the fastest in `benchmarks/mla_decode.py`'s sweep on
-# the H200 at DeepSeek-V3 sizes (BENCHMARKS.md, issue 8): 64 heads per program halve the latent reads of
-# 32 and share one 64-row tensor-core tile; a second pipeline stage fits in shared memory only for the dense
-# latent (the packed one's dequantized tile needs its own buffer).
+# Kernel launch per latent kind (packed 4-bit / dense), the fastest in `benchmarks/mla_decode.py`'s sweeps on
+# the H200 at DeepSeek-V3 sizes (BENCHMARKS.md, issue 8): 64 heads per program read the latent half as often
+# as 32 and fill the 64-row tensor-core tile; a second pipeline stage sped up the dense latent (its tiles
+# load straight into shared memory), while the packed latent's sweeps kept one (its tiles are built in
+# registers).
 LAUNCH = {
     "packed": {"block_h": 64, "num_warps": 8, "num_stages": 1},
     "dense": {"block_h": 64, "num_warps": 8, "num_stages": 2},
