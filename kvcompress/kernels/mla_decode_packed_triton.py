@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcompress.kernels.mla_decode_triton import _softmax_step
+from kvcompress.kernels.mla_decode_triton import _k_rot_tile, _softmax_step
 
 _PAIR_TABLES: dict = {}
 
@@ -112,11 +112,7 @@ def _mla_decode_packed_kernel(
             z = z.to(DT)[:, None]
             u_ev = tl.where(c[:, None] == ev[None, :], z, u_ev)
             u_od = tl.where(c[:, None] == od[None, :], z, u_od)
-        kr = tl.load(KR + b * stride_krb + offs_n[:, None] * stride_krt + offs_dr[None, :], mask=n_mask[:, None], other=0)
-        if KR_FP8:
-            kr_scale = tl.load(KRS + b * stride_krsb + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-            kr = (kr.to(tl.float8e4nv, bitcast=True).to(tl.float32) * kr_scale[:, None])
-        kr = kr.to(DT)
+        kr = _k_rot_tile(KR, KRS, b, offs_n, n_mask, offs_dr, stride_krb, stride_krt, stride_krsb, DT, KR_FP8)
         # -- scores [BLOCK_H, BLOCK_N]
         s = tl.dot(qs_ev, tl.trans(u_ev)) + tl.dot(qs_od, tl.trans(u_od)) + tl.dot(qr, tl.trans(kr))
         s = (s + q_bias[:, None]) * qk_scale

@@ -23,6 +23,17 @@ LOG2E = 1.4426950408889634  # 1/ln(2): softmax in base 2
 
 
 @triton.jit
+def _k_rot_tile(KR, KRS, b, offs_n, n_mask, offs_dr, stride_krb, stride_krt, stride_krsb, DT: tl.constexpr,
+                KR_FP8: tl.constexpr):
+    """The RoPE keys of a tile [BLOCK_N, DR] as DT: dense, or E4M3 codes times their per-token scale."""
+    kr = tl.load(KR + b * stride_krb + offs_n[:, None] * stride_krt + offs_dr[None, :], mask=n_mask[:, None], other=0)
+    if KR_FP8:
+        kr_scale = tl.load(KRS + b * stride_krsb + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        kr = kr.to(tl.float8e4nv, bitcast=True).to(tl.float32) * kr_scale[:, None]
+    return kr.to(DT)
+
+
+@triton.jit
 def _softmax_step(s, m_i, l_i, MASK, b, stride_mb, offs_n, n_mask, HAS_MASK: tl.constexpr):
     """One tile of the online softmax in base 2: scores s [BLOCK_H, BLOCK_N] (already scaled), tokens past
     T or masked dropped -> (p, alpha, m_new, l_new). A row whose tokens so far are all masked keeps
@@ -69,11 +80,7 @@ def _mla_decode_kernel(
         offs_n = blk * BLOCK_N + offs_bn
         n_mask = offs_n < T
         kv = tl.load(KV + b * stride_kvb + offs_n[:, None] * stride_kvt + offs_r[None, :], mask=n_mask[:, None], other=0.0)
-        kr = tl.load(KR + b * stride_krb + offs_n[:, None] * stride_krt + offs_dr[None, :], mask=n_mask[:, None], other=0)
-        if KR_FP8:
-            kr_scale = tl.load(KRS + b * stride_krsb + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-            kr = (kr.to(tl.float8e4nv, bitcast=True).to(tl.float32) * kr_scale[:, None])
-        kr = kr.to(qr.dtype)
+        kr = _k_rot_tile(KR, KRS, b, offs_n, n_mask, offs_dr, stride_krb, stride_krt, stride_krsb, qr.dtype, KR_FP8)
         # -- scores [BLOCK_H, BLOCK_N]
         s = (tl.dot(ql, tl.trans(kv)) + tl.dot(qr, tl.trans(kr))) * qk_scale
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, MASK, b, stride_mb, offs_n, n_mask, HAS_MASK)
