@@ -36,7 +36,7 @@ from kvcompress.layout.store import PagedStore
 from kvcompress.quant.factory import make_codec
 
 CASES = [(8192, 1), (8192, 8), (32768, 1), (32768, 8)]
-VARIANTS = ("plain", "outliers", "dense")  # table order
+VARIANTS = ("plain", "outliers", "dense", "library")  # table order
 PAGE = 64
 
 
@@ -155,15 +155,41 @@ def tune(attn, hidden, pe, latent, b, t, name: str) -> dict:
                     continue
                 print(f"  tune {name} {launch}: {ms:.3f} ms", flush=True)
                 if ms < best_ms:
-                    best = dict(block_h=block_h, num_warps=warps, num_stages=stages, split_factor=factor)
-                    best_ms = ms
+                    best, best_ms = launch, ms
     return best
 
 
-def run_launch(tuned: dict, b: int, t: int) -> dict:
-    launch = {k: v for k, v in tuned.items() if k != "split_factor"}
-    launch["num_splits"] = default_num_splits(b, 128, t, tuned["block_h"]) * tuned["split_factor"]
-    return launch
+def library_launch(latent: MlaLatent, b: int, t: int) -> dict:
+    """The launch `kvcompress.enable` uses for this latent (mla_layer.launch_for)."""
+    from kvcompress.kernels.mla_layer import launch_for
+
+    return launch_for(latent, 128, b, torch.device("cuda"))
+
+
+class FrozenLayer:
+    """A cache stand-in over one `CompressedLayer`: each update defers the step to the fused path as
+    `CompressedLayer.update` does on a decode step, but leaves the layer as it is (a graph replays the same
+    step; the new token's own latent is left out, as in the other variants)."""
+
+    def __init__(self, layer):
+        self.layer = layer
+
+    def update(self, k, v, layer_idx, *args, **kwargs):
+        from kvcompress.kernels.attention_backend import defers_dense
+
+        assert defers_dense(self.layer, k), "the fused path does not serve this layer"
+        return k, v
+
+
+def library_layer(cfg, kv, kr):
+    """The nuq4 MLA preset's CompressedLayer holding the latent kv [B, 1, T, 512] / kr [B, 1, T, 64]
+    (4 exact sinks, packed body, exact tail), filled as a prefill fills it."""
+    from kvcompress import CompressedCache
+
+    cache = CompressedCache(cfg, "nuq4")
+    for lo in range(0, kv.shape[2], 4096):
+        cache.update(kv[:, :, lo: lo + 4096], kr[:, :, lo: lo + 4096], 0)
+    return cache.layers[0]
 
 
 def enabled_forward(attn, buf):
@@ -181,34 +207,56 @@ def enabled_forward(attn, buf):
     return step
 
 
-def kernel_sweep(b: int, t: int) -> list[str]:
-    """The kernel alone (no projections) over a dense bf16 latent at T x B, replayed from a CUDA graph, for
-    a grid of launches: tile of 32 / 64 / 128 tokens, pipeline stages, heads per program, warps."""
+def _launches(*rows):
+    keys = ("block_h", "num_warps", "num_stages")
+    return [dict(zip(keys, r[:3]), **(r[3] if len(r) > 3 else {})) for r in rows]
+
+
+# launches tried per latent kind: heads per program, warps, stages (BENCHMARKS.md, issue 8, has what else was
+# tried: the scores through memory to stop Triton repeating the score product in both warp groups, the dense
+# kernel with tokens as rows, warp specialization; none was faster)
+SWEEP = {
+    "dense": _launches((64, 8, 2), (64, 8, 1), (32, 4, 2)),
+    "plain": _launches((64, 8, 1), (64, 8, 2), (128, 16, 1)),
+    "outliers": _launches((64, 8, 1), (128, 16, 1)),
+}
+
+
+def kernel_sweep(b: int, t: int, kinds=("dense", "plain", "outliers")) -> list[str]:
+    """The kernel alone (no projections) at T x B, replayed from a CUDA graph, over the launches of SWEEP
+    (split count: the library's, one wave of programs) for each latent kind: dense bf16, nuq4, nuq4 + 1 %
+    outliers per token (tiles of 64 tokens, the presets' page)."""
     from kvcompress.kernels.mla_layer import LAUNCH
 
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(1)
-    kv = torch.randn(b, t, 512, device=dev, dtype=torch.bfloat16, generator=g)
-    kr = torch.randn(b, t, 64, device=dev, dtype=torch.bfloat16, generator=g)
+    kv = torch.randn(b, 1, t, 512, device=dev, dtype=torch.bfloat16, generator=g)
+    kr = torch.randn(b, 1, t, 64, device=dev, dtype=torch.bfloat16, generator=g)
     ql = torch.randn(b, 128, 512, device=dev, dtype=torch.bfloat16, generator=g)
     qr = torch.randn(b, 128, 64, device=dev, dtype=torch.bfloat16, generator=g)
     flops = 2 * b * 128 * t * (576 + 512)
-    lines = [f"kernel alone, dense bf16 latent, T={t} B={b} (library default {LAUNCH['dense']}):",
-             "| tile | stages | block_h | warps | splits | ms | TFLOP/s |", "|---|---|---|---|---|---|---|"]
-    for tile in (32, 64, 128):
-        latent = MlaLatent(kv=kv, k_rot=kr, latent_dim=512, page_size=tile)
-        for stages in (2, 3):
-            for block_h, warps in ((64, 8), (32, 4), (128, 16)):
-                for factor in (1, 2):
-                    splits = default_num_splits(b, 128, t, block_h) * factor
-                    launch = dict(block_h=block_h, num_warps=warps, num_stages=stages)
-                    try:
-                        ms = graph_ms(lambda: merge_partials(*mla_decode_triton(ql, qr, latent, 0.07, splits, **launch)))
-                    except Exception as e:  # out of shared memory or registers: reported, skipped
-                        print(f"  sweep tile {tile} {launch}: failed ({type(e).__name__})", flush=True)
-                        continue
-                    lines.append(f"| {tile} | {stages} | {block_h} | {warps} | {splits} | {ms:.3f} | {flops / ms / 1e9:.0f} |")
-                    print(lines[-1], flush=True)
+    lines = [f"kernel alone, T={t} B={b}, graph replays (library defaults {LAUNCH}):",
+             "| latent | launch | splits | ms | TFLOP/s | rel. err vs first launch |", "|---|---|---|---|---|---|"]
+    for kind in kinds:
+        if kind == "dense":
+            latent = MlaLatent(kv=kv[:, 0], k_rot=kr[:, 0], latent_dim=512, page_size=PAGE)
+        else:
+            latent = pack_latent(kv, kr, 0.01 if kind == "outliers" else 0.0)
+        first = None
+        for launch in SWEEP[kind]:
+            splits = default_num_splits(b, 128, t, launch["block_h"])
+            fn = lambda: merge_partials(*mla_decode_triton(ql, qr, latent, 0.07, splits, **launch))  # noqa: E731
+            try:
+                ms = graph_ms(fn)
+                out = fn().float()
+            except Exception as e:  # out of shared memory or registers: reported, skipped
+                print(f"  sweep {kind} {launch}: failed ({type(e).__name__}: {str(e)[:100]})", flush=True)
+                continue
+            first = out if first is None else first
+            err = ((out - first).norm() / first.norm()).item()
+            lines.append(f"| {kind} | {launch} | {splits} | {ms:.3f} | {flops / ms / 1e9:.0f} | {err:.1e} |")
+            print(lines[-1], flush=True)
+        del latent
     return lines
 
 
@@ -219,16 +267,28 @@ def main():
     ap.add_argument("--graph", action="store_true", help="time replays of a CUDA graph of each variant")
     ap.add_argument("--cases", nargs="*", default=None, help="TxB shapes, e.g. 32768x8 (default: all four)")
     ap.add_argument("--variants", default=",".join(VARIANTS),
-                    help="fused variants to time: plain (nuq4), outliers (nuq4 + 1%% outliers), dense (bf16 latent)")
+                    help="fused variants to time: plain (nuq4), outliers (nuq4 + 1%% outliers), dense (bf16 latent), "
+                         "library (the nuq4 preset's CompressedLayer through the library's decode path)")
     ap.add_argument("--kernel-sweep", action="store_true", help="also time the kernel alone over a grid of launches")
+    ap.add_argument("--sweep-only", action="store_true", help="only the kernel sweep (at the largest case)")
+    ap.add_argument("--tune", action="store_true",
+                    help="pick each fused variant's launch from eager timings (default: the library's launch)")
     args = ap.parse_args()
     variants = set(args.variants.split(","))
     global TIMER
     TIMER = graph_ms if args.graph else time_ms
     cases = [tuple(int(v) for v in c.split("x")) for c in args.cases] if args.cases else CASES
+    if args.sweep_only:
+        t, b = max(cases, key=lambda c: c[0] * c[1])
+        text = "\n".join(kernel_sweep(b, t))
+        print(text)
+        if args.out:
+            with open(args.out, "w") as fh:
+                fh.write(text + "\n")
+        return
     dev = torch.device("cuda")
     cfg, attn, rope = deepseek_v3_layer(dev)
-    rows, launches = [], {}
+    rows, launches, used = [], {}, {}
     for t, b in sorted(cases, key=lambda c: -c[0] * c[1]):
         g = torch.Generator(device=dev).manual_seed(t + b)
         kv = torch.randn(b, 1, t, 512, device=dev, dtype=torch.bfloat16, generator=g)
@@ -250,6 +310,7 @@ def main():
             "plain": lambda: pack_latent(kv, kr, 0.0),
             "outliers": lambda: pack_latent(kv, kr, 0.01),
             "dense": lambda: MlaLatent(kv=kv[:, 0], k_rot=kr[:, 0], latent_dim=512, page_size=PAGE),
+            "library": lambda: library_layer(cfg, kv, kr),
         }
         ms, sq = {"stock": stock, "absorbed": absorbed, "enabled": enabled_ms}, {}
         for name in VARIANTS:
@@ -257,13 +318,24 @@ def main():
                 ms[name], sq[name] = float("nan"), float("nan")
                 continue
             latent = latents[name]()
-            if name not in launches:
-                if name == "outliers" and "plain" in launches:  # the same kernel, 6 selects more per token
-                    launches[name] = dict(launches["plain"])
-                else:
-                    launches[name] = tune(attn, hidden, pe, latent, b, t, name)
-                print("chosen", name, launches[name], flush=True)
-            fwd = fused_forward(attn, latent, run_launch(launches[name], b, t))
+            if name == "library":  # the library's own decode path over the preset's layer (mla_layer_decode)
+                undo = patch_mla(attn)
+                fwd = enabled_forward(attn, FrozenLayer(latent))
+                ms[name] = TIMER(lambda: fwd(hidden, pe))
+                out = fwd(hidden, pe)[0].float()
+                undo()
+                sq[name] = (10 * torch.log10(ref.pow(2).sum() / (out - ref).pow(2).sum())).item()
+                del latent, fwd, out
+                continue
+            if not args.tune:
+                launches[name] = library_launch(latent, b, t)
+            elif name == "outliers" and "plain" in launches:  # the same kernel, 6 selects more per token
+                launches[name] = dict(launches["plain"])
+            else:  # tuned per shape (the split count depends on it)
+                launches[name] = tune(attn, hidden, pe, latent, b, t, name)
+            used[f"{name} {t}x{b}"] = launches[name]
+            print("launch", name, launches[name], flush=True)
+            fwd = fused_forward(attn, latent, launches[name])
             ms[name] = TIMER(lambda: fwd(hidden, pe))
             out = fwd(hidden, pe)[0].float()  # leaves the new token out (the variants time the cache read)
             sq[name] = (10 * torch.log10(ref.pow(2).sum() / (out - ref).pow(2).sum())).item()
@@ -279,19 +351,21 @@ def main():
         "",
         f"Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}; device: {torch.cuda.get_device_name()}; "
         f"torch {torch.__version__}; command: `PYTHONPATH=. python benchmarks/mla_decode.py{' --graph' if args.graph else ''}`; "
-        f"timing: {'CUDA graph replays' if args.graph else 'eager'}; kernel launches: {launches}",
+        f"timing: {'CUDA graph replays' if args.graph else 'eager'}; kernel launches: {used}",
         "",
         "| T | B | stock (ms) | absorbed torch (ms) | enabled, fused bf16 (ms) | fused nuq4 (ms) "
-        "| fused nuq4+1% outl. (ms) | fused bf16, tuned (ms) | stock/absorbed | stock/enabled "
-        "| absorbed/fused nuq4 | enabled/fused nuq4 | rel.err absorbed / enabled | SQNR nuq4 / +outl. / bf16 (dB) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| fused nuq4+1% outl. (ms) | fused bf16 (ms) | enabled, nuq4 preset layer (ms) | stock/absorbed "
+        "| stock/enabled | absorbed/fused nuq4 | absorbed/enabled nuq4 preset | rel.err absorbed / enabled "
+        "| SQNR nuq4 / +outl. / bf16 / preset layer (dB) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for t, b, ms, sq, errs in sorted(rows, key=lambda r: (r[0], r[1])):
         cells = " | ".join(f"{ms[k]:.3f}" for k in ("stock", "absorbed", "enabled", *VARIANTS))
         lines.append(
             f"| {t} | {b} | {cells} | {ms['stock'] / ms['absorbed']:.1f}x | {ms['stock'] / ms['enabled']:.1f}x "
-            f"| {ms['absorbed'] / ms['plain']:.2f}x | {ms['enabled'] / ms['plain']:.2f}x "
-            f"| {errs['absorbed']:.1e} / {errs['enabled']:.1e} | {sq['plain']:.1f} / {sq['outliers']:.1f} / {sq['dense']:.1f} |"
+            f"| {ms['absorbed'] / ms['plain']:.2f}x | {ms['absorbed'] / ms['library']:.2f}x "
+            f"| {errs['absorbed']:.1e} / {errs['enabled']:.1e} "
+            f"| {sq['plain']:.1f} / {sq['outliers']:.1f} / {sq['dense']:.1f} / {sq['library']:.1f} |"
         )
     if args.kernel_sweep:
         t, b = max(cases, key=lambda c: c[0] * c[1])

@@ -87,7 +87,7 @@ class CompressedLayer(CacheLayerMixin):
                 dtype=x.dtype,
                 tensors={k: v.to(x.device) for k, v in p.stream_tensors(name).items()},
                 seed=2 * self.layer_idx + s,
-            )
+            ).to(x.device)  # codebooks and rotations beside the data: no host copy per step (and capturable)
             stores.append(PagedStore(codec))
         self.key_store, self.value_store = stores
         # empty tensors of their own: a [:, :, :0] view would pin the whole prefill's storage

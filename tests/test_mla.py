@@ -243,6 +243,41 @@ def test_twin_matches_plain_attention():
     assert kv[0, 16 + p, pos] == lat.outlier_val[0, 1, 0].float()
 
 
+def test_absorbed_products_match_einsum():
+    """absorb_query / expand_output read W_UK and W_UV as strided views of kv_b_proj's weight and equal the
+    einsums they stand for."""
+    from kvcompress.layout.mla_attention import absorb_query, expand_output, split_kv_b_proj
+
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randn(4 * (16 + 8), 32, generator=g)  # 4 heads, Dn 16, Dv 8, latent 32
+    w_uk, w_uv = split_kv_b_proj(weight, 4, 16, 8)
+    q_nope, o_latent = torch.randn(3, 4, 2, 16, generator=g), torch.randn(3, 4, 2, 32, generator=g)
+    assert torch.allclose(absorb_query(q_nope, w_uk), torch.einsum("bhsd,hdr->bhsr", q_nope, w_uk), atol=1e-5)
+    assert torch.allclose(expand_output(o_latent, w_uv), torch.einsum("bhsr,hvr->bhsv", o_latent, w_uv), atol=1e-5)
+
+
+def test_launch_fills_one_wave():
+    """The split count puts at most one wave of programs on the multiprocessors (at DeepSeek-V3 sizes on 132
+    of them: 8 splits of 16 programs), keeps 4 tiles per split on short contexts, and small models get
+    small head blocks."""
+    from kvcompress.kernels.mla_decode import default_num_splits
+    from kvcompress.kernels.mla_layer import launch_for
+
+    assert default_num_splits(8, 128, 32768, 64, sms=132) == 8
+    assert default_num_splits(1, 128, 32768, 64, sms=132) == 66
+    assert default_num_splits(8, 128, 32768, 128, sms=132) == 16
+    assert default_num_splits(64, 128, 32768, 64, sms=132) == 1  # 128 programs already
+    assert default_num_splits(1, 128, 600, 64, sms=132) == 2  # 600 tokens: at least 4 tiles per split
+    for b in (1, 3, 8, 32):
+        programs = b * 2 * default_num_splits(b, 128, 1 << 20, 64, sms=132)
+        assert programs <= max(132, b * 2)
+    packed = _packed_latent(2, 128, 32, 16, 16, 0, fp8_rot=False)
+    launch = launch_for(packed, heads=4, batch=2, device=torch.device("cpu"))
+    assert launch["block_h"] == 16 and launch["num_warps"] == 4
+    with_outliers = _packed_latent(2, 128, 32, 16, 16, 0, fp8_rot=False, per_token=1)
+    assert launch_for(with_outliers, heads=128, batch=8, device=torch.device("cpu"))["block_h"] == 128
+
+
 def _triton_or_skip():
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("run with TRITON_INTERPRET=1 to test the Triton kernel on CPU")
@@ -436,7 +471,8 @@ def test_fused_decode_reads_the_packed_latent(deepseek, monkeypatch):
         finally:
             kvcompress.disable(deepseek)
         runs[backend], counts[backend] = (logits, tokens), dict(calls)
-    assert counts["triton"]["dense"] == 0 and counts["triton"]["kernel"] == 2 * 4  # 2 layers x 4 decode steps
+    # 2 layers x 4 decode steps x (packed body + exact sinks and tail)
+    assert counts["triton"]["dense"] == 0 and counts["triton"]["kernel"] == 2 * 4 * 2
     assert counts["torch"]["kernel"] == 0 and counts["torch"]["dense"] > 0
     assert _rel_err(runs["triton"][0], runs["torch"][0]) < 1e-4
     assert torch.equal(runs["triton"][1], runs["torch"][1])

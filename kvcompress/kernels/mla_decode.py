@@ -174,7 +174,7 @@ def _split_bounds(num_tokens: int, block: int, num_splits: int) -> list[tuple[in
 def merge_partials(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     """Partial outputs [B, H, S, R] with their log-sum-exps [B, H, S] -> the full output [B, H, R]."""
     w = torch.softmax(lse, dim=-1)  # empty splits (-inf) get weight 0
-    return (out * w[..., None]).sum(2)
+    return torch.einsum("bhs,bhsr->bhr", w, out)  # one batched product, no [B, H, S, R] temporary
 
 
 # -- Triton (kvcompress.kernels.mla_decode_triton, imported on first use) ---------------------------
@@ -208,7 +208,10 @@ def mla_decode(q_latent, q_rope, latent: MlaLatent, scaling: float, num_splits: 
     return merge_partials(out, lse)
 
 
-def default_num_splits(batch: int, heads: int, num_tokens: int, block_h: int = 16, sms: int = 132) -> int:
-    """Enough splits to give every SM about two programs, at least 4 tiles of 64 tokens per split."""
+def default_num_splits(batch: int, heads: int, num_tokens: int, block_h: int = 16, sms: int = 132, tile: int = 64) -> int:
+    """Splits along the sequence so that the programs fill one wave of `sms` multiprocessors (the MLA kernels
+    hold one program per multiprocessor) without starting a second, partial one: at DeepSeek-V3 sizes 8
+    splits (128 programs) ran 10-22 % faster than 17 (272 programs, three waves; BENCHMARKS.md, issue 8).
+    At least 4 tiles of `tile` tokens per split."""
     programs = batch * math.ceil(heads / block_h)
-    return max(1, min(math.ceil(2 * sms / programs), num_tokens // 256 or 1))
+    return max(1, min(sms // programs, num_tokens // (4 * tile)))

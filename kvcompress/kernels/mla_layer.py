@@ -5,7 +5,7 @@ step of a model under `kvcompress.enable` with the fused backend, `update()` def
 new token) and the absorbed attention calls `mla_layer_decode`:
 
     body (packed pages)  -> the fused MLA kernel (Triton; the torch twin on the torch backend)
-    sinks + tail (exact) -> the same math in torch (a few dozen tokens)
+    sinks + tail (exact) -> the dense-latent kernel, one split (a few dozen tokens; the twin on torch)
     -> partial outputs merged by their log-sum-exps
 
 so each step reads the packed latent once and never materialises it densely. `decode_allowed` turns the
@@ -69,24 +69,44 @@ def decode_allowed(additive: torch.Tensor | None, batch: int, kv_len: int) -> to
     return (row > torch.finfo(row.dtype).min / 2).expand(batch, kv_len).contiguous()
 
 
-# Kernel launch per latent kind (packed 4-bit / dense), the fastest in `benchmarks/mla_decode.py`'s sweeps on
-# the H200 at DeepSeek-V3 sizes (BENCHMARKS.md, issue 8): 64 heads per program read the latent half as often
-# as 32 and fill the 64-row tensor-core tile; a second pipeline stage sped up the dense latent (its tiles
-# load straight into shared memory), while the packed latent's sweeps kept one (its tiles are built in
-# registers).
+# Kernel launch per latent kind, the fastest in `benchmarks/mla_decode.py --sweep-only` on the H200 at
+# DeepSeek-V3 sizes, 32K x 8 (BENCHMARKS.md, issue 8): 64 heads per program read the latent half as often as
+# 32 and fill the 64-row tensor-core tile; a second pipeline stage speeds up the dense latent (its tiles load
+# straight into shared memory), while the packed latent keeps one (its tiles are built in registers). With
+# outliers, 128 heads per program (16 warps) build and patch each tile once instead of twice: 1.45 ms
+# against 1.90 ms at 64 heads; without outliers 128 heads lose (0.92 ms against 0.55 ms).
 LAUNCH = {
     "packed": {"block_h": 64, "num_warps": 8, "num_stages": 1},
+    "packed_outliers": {"block_h": 128, "num_warps": 16, "num_stages": 1},
     "dense": {"block_h": 64, "num_warps": 8, "num_stages": 2},
 }
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def launch_for(latent: MlaLatent, heads: int, batch: int, device: torch.device) -> dict:
+    """The kernel launch for `latent` (LAUNCH by kind) with its split count; fewer heads per program (and
+    warps in proportion) when the model has fewer heads than a block."""
+    kind = "dense" if not latent.is_packed else "packed_outliers" if latent.num_outliers else "packed"
+    launch = dict(LAUNCH[kind])
+    block_h = max(16, min(launch["block_h"], 1 << max(heads - 1, 1).bit_length()))
+    launch["num_warps"] = max(4, launch["num_warps"] * block_h // launch["block_h"])
+    launch["block_h"] = block_h
+    launch["num_splits"] = default_num_splits(batch, heads, latent.num_tokens, block_h, _sm_count(device),
+                                              latent.page_size)
+    return launch
 
 
 def mla_attend(q_latent, q_rope, latent: MlaLatent, scaling: float, allowed, backend: str, launch=None):
     """Partial outputs [B, H, S, R] and lse [B, H, S] of the fused kernel (or its twin) over `latent`."""
     b, h, _ = q_latent.shape
     if backend == "triton":
-        launch = dict(launch or LAUNCH["packed" if latent.is_packed else "dense"])
-        block_h = launch.setdefault("block_h", 16)
-        splits = launch.pop("num_splits", None) or default_num_splits(b, h, latent.num_tokens, block_h)
+        launch = dict(launch or launch_for(latent, h, b, q_latent.device))
+        splits = launch.pop("num_splits")
         return mla_decode_triton(q_latent, q_rope, latent, scaling, splits, allowed, **launch)
     return mla_decode_torch(q_latent, q_rope, latent, scaling, 1, allowed)
 
@@ -117,7 +137,11 @@ def mla_layer_decode(
     keep = None
     if allowed is not None:
         keep = torch.cat([allowed[:, :n_sink], allowed[:, n_sink + n_body:]], 1)
-    out, lse = mla_decode_torch(q_latent, q_rope, exact, scaling, 1, keep)
+    if backend == "triton":  # a few dozen tokens: one program per head block, no split
+        launch = dict(launch_for(exact, q_latent.shape[1], q_latent.shape[0], q_latent.device), num_splits=1)
+        out, lse = mla_attend(q_latent, q_rope, exact, scaling, keep, backend, launch)
+    else:
+        out, lse = mla_decode_torch(q_latent, q_rope, exact, scaling, 1, keep)
     outs.append(out)
     lses.append(lse)
     return merge_partials(torch.cat(outs, 2), torch.cat(lses, 2))

@@ -121,13 +121,21 @@ def absorbed_attention(
 
 
 def absorb_query(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
-    """q_nope [B, H, S, Dn], W_UK [H, Dn, R] -> q_latent [B, H, S, R]."""
-    return torch.einsum("bhsd,hdr->bhsr", q_nope, w_uk.to(q_nope.dtype))
+    """q_nope [B, H, S, Dn], W_UK [H, Dn, R] -> q_latent [B, H, S, R].
+
+    One batched product over the heads, reading W_UK where it lies in kv_b_proj's weight (a strided view
+    that cuBLAS takes as it is; einsum could copy it, 16 MB per DeepSeek-V3 layer and step)."""
+    b, h, s, d = q_nope.shape
+    q = q_nope.permute(1, 0, 2, 3).reshape(h, b * s, d)
+    return torch.bmm(q, w_uk.to(q.dtype)).view(h, b, s, -1).permute(1, 0, 2, 3)
 
 
 def expand_output(o_latent: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
-    """o_latent [B, H, S, R], W_UV [H, Dv, R] -> per-head outputs [B, H, S, Dv]."""
-    return torch.einsum("bhsr,hvr->bhsv", o_latent, w_uv.to(o_latent.dtype))
+    """o_latent [B, H, S, R], W_UV [H, Dv, R] -> per-head outputs [B, H, S, Dv] (one batched product over
+    the heads, W_UV read transposed where it lies)."""
+    b, h, s, r = o_latent.shape
+    o = o_latent.permute(1, 0, 2, 3).reshape(h, b * s, r)
+    return torch.bmm(o, w_uv.to(o.dtype).transpose(1, 2)).view(h, b, s, -1).permute(1, 0, 2, 3)
 
 
 # -- per-architecture pieces --------------------------------------------------------------------------
