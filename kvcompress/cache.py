@@ -111,8 +111,10 @@ class CompressedLayer(CacheLayerMixin):
             self.append(key_states, value_states)
             # a fused decode step reads the packed parts itself: the new token is only a placeholder
             k, v = (key_states, value_states) if defers_dense(self, key_states) else self.dense()
-        if self.sparse is not None:
-            self.sparse.on_update(self, key_states, k, v)  # the kvcompress attention reads the step there
+        if self.sparse is not None:  # the kvcompress attention (or the absorbed MLA forward) reads the step
+            # an MLA token's key is its latent and RoPE key together: Quest summarises both parts
+            new_keys = torch.cat([key_states, value_states], -1) if self.mla_latent else key_states
+            self.sparse.on_update(self, new_keys, k, v)
         return k, v
 
     def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:

@@ -8,7 +8,8 @@
 Registered with transformers' AttentionInterface (the function) and AttentionMaskInterface (its mask)
 under the name "kvcompress"; nothing of transformers is patched. Sparse cache layers (H2O,
 StreamingLLM, SnapKV, Quest) only run under it: it hands the policy the query and the attention
-weights. Every other layer (dense, quantization-only, sliding-window, or a plain DynamicCache) gets
+weights (kvcompress.sparse.step; MLA layers, whose attention the absorbed forward computes, take the same
+steps there). Every other layer (dense, quantization-only, sliding-window, or a plain DynamicCache) gets
 torch SDPA, exactly as the "sdpa" implementation computes it.
 
 The mask is indexed by position: [B, 1, q, seen + q], True = attend. Layers that hold their tokens
@@ -45,6 +46,7 @@ def kvcompress_attention(module, query, key, value, attention_mask, scaling=None
     """
     from kvcompress.kernels.attention_backend import attend_layer, take_deferred
     from kvcompress.sparse.state import take_pending
+    from kvcompress.sparse.step import begin_sparse_step, finish_sparse_step
 
     if scaling is None:
         scaling = getattr(module, "scaling", query.shape[-1] ** -0.5)
@@ -54,43 +56,13 @@ def kvcompress_attention(module, query, key, value, attention_mask, scaling=None
         if deferred is not None:
             return attend_layer(query, deferred, scaling).transpose(1, 2).contiguous(), None
         return _dense_attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
-    state, step = layer.sparse, layer.sparse.step
-    held = layer.held_tokens if deferred is not None else key.shape[2]
-    step.deferred = deferred is not None
-    if step.deferred and query.shape[2] > 1:
-        # a deferred prefill (Quest): the attention reads no mask, the policy only the newest query's row,
-        # so the [B, H, q, held] mask is not built
-        mask = attention_mask[..., -1:, :] if isinstance(attention_mask, torch.Tensor) else attention_mask
-        step.mask = held_mask(mask, state.positions(held, key), 1)
-    else:
-        step.mask = held_mask(attention_mask, state.positions(held, key), query.shape[2])
-    step.scaling = scaling
-    step.index = state.policy.select(state, query, step.mask)
-    step.mass_queries = state.policy.mass_queries(query.shape[2])
+    begin_sparse_step(layer, query, key, attention_mask, scaling, deferred is not None)
     backend = getattr(module, "_kvcompress_backend", None) or _backend("torch")
-    if step.deferred:  # there is no dense K/V to give another backend
+    if layer.sparse.step.deferred:  # there is no dense K/V to give another backend
         backend = _backend("fused")
     out, mass = backend(query, layer, scaling)
-    state.tokens_read = step.index.shape[-1] if step.index is not None else held
-    state.read_index = step.index
-    state.read_body = (layer.sink_k.shape[2], layer.key_store.n_tokens) if layer.compressed else (0, held)
-    state.policy.after_attention(layer, state, mass, step.mask[:, :, -1, :])
-    state.step = None  # drop this step's dense K/V
+    finish_sparse_step(layer, mass)
     return out.transpose(1, 2).contiguous(), None
-
-
-def held_mask(attention_mask, pos: torch.Tensor, q_len: int) -> torch.Tensor:
-    """The mask of the held tokens: pos [B, H, held] positions -> [B, H, q, held] bool, True = attend."""
-    b, h, held = pos.shape
-    if attention_mask is None:
-        seen = int(pos.max()) + 1 if held else q_len
-        q_pos = torch.arange(seen - q_len, seen, device=pos.device)
-        return (pos[:, :, None, :] <= q_pos[:, None]).expand(b, h, q_len, held)
-    m = attention_mask
-    if m.dtype != torch.bool:  # an additive float mask: 0 where allowed
-        m = m > torch.finfo(m.dtype).min / 2
-    m = m.expand(b, h, q_len, m.shape[-1])
-    return m.gather(3, pos[:, :, None, :].expand(b, h, q_len, held))
 
 
 def _dense_attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs):

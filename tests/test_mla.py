@@ -493,3 +493,113 @@ def test_fused_decode_over_an_exact_latent(deepseek, padded_batch, monkeypatch):
         kvcompress.disable(deepseek)
     assert _rel_err(logits, stock_logits) <= 1e-4
     assert torch.equal(tokens, stock_tokens)
+
+
+# -- sparsity on the MLA latent (kvcompress.sparse.mla) ----------------------------------------------
+def _sparse_config(model, spec, base: str = "none"):
+    from kvcompress import LayerPolicy, SparsitySpec  # noqa: F401 (SparsitySpec: the callers' specs)
+
+    cfg = KVCompressConfig.from_preset(base, ModelLayout.from_model_config(model.config))
+    cfg.layers = [LayerPolicy(key=p.key, value=p.value, page_size=p.page_size, residual=p.residual, sinks=p.sinks,
+                              sparsity=spec) for p in cfg.layers]
+    return cfg
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("method", ["h2o", "streaming", "snapkv", "quest"])
+def test_sparse_mla_with_room_for_everything_is_exact(deepseek, padded_batch, method):
+    """A budget that covers the context keeps every token: the sparse MLA step (policy bookkeeping, mask by
+    position, attention over one latent head for all query heads) gives the lossless path's logits."""
+    from kvcompress import SparsitySpec
+
+    ids, mask = padded_batch
+    with kvcompress.enabled(deepseek, backend="torch"):
+        ref, ref_tokens, _ = _greedy(deepseek, ids, mask, CompressedCache(deepseek.config, "none"), steps=12)
+        cache = CompressedCache(deepseek.config, _sparse_config(deepseek, SparsitySpec(method=method, budget=4096,
+                                                                                       page_size=4)))
+        logits, tokens, _ = _greedy(deepseek, ids, mask, cache, steps=12)
+    assert all(layer.sparse is not None for layer in cache.layers)
+    assert _rel_err(logits, ref) < 1e-5
+    assert torch.equal(tokens, ref_tokens)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("base", ["none", "nuq4"])
+def test_h2o_on_mla_holds_its_budget(deepseek, base):
+    """H2O on the latent evicts while decoding: over 150 steps the tokens held never pass the budget plus
+    one page, and the bytes held stay flat once it is reached (exact latent, and the packed nuq4 latent)."""
+    from kvcompress import SparsitySpec
+
+    budget = 48
+    ids = torch.randint(3, 256, (1, 40), generator=torch.Generator().manual_seed(2))
+    cache = CompressedCache(deepseek.config, _sparse_config(deepseek, SparsitySpec(method="h2o", budget=budget), base))
+    # the eviction slack: a whole page of the packed body, or the policy's page over an exact latent
+    page = cache.kv_config.layers[0].page_size if base != "none" else cache.layers[0].sparse.policy.page_size
+    held, held_bytes = [], []
+    with kvcompress.enabled(deepseek, backend="torch"):
+        out = deepseek(ids, **with_cache(cache))
+        for _ in range(150):
+            out = deepseek(out.logits[:, -1:].argmax(-1), **with_cache(cache))
+            held.append(cache.layers[-1].held_tokens)
+            held_bytes.append(cache.memory_report()["held_bytes"])
+    assert max(held) <= budget + page
+    assert cache.layers[-1].cumulative_length == 190
+    # bounded: the last 50 steps hold no more than the first 100 did at most (a sawtooth as pages fill)
+    assert max(held_bytes[-50:]) <= max(held_bytes[:100])
+
+
+@torch.no_grad()
+def test_quest_on_mla_reads_the_top_pages(deepseek):
+    """Quest on the latent: page summaries span the latent and the RoPE key; a decode step reads the
+    pages its bound ranks highest within the budget (plus the sinks' page and the newest), nothing is
+    evicted, and with every page selected the step equals the dense one."""
+    from kvcompress import SparsitySpec
+    from kvcompress.sparse.quest import page_scores
+
+    ids = torch.randint(3, 256, (1, 96), generator=torch.Generator().manual_seed(4))
+    spec = SparsitySpec(method="quest", budget=32, page_size=8)
+    cache = CompressedCache(deepseek.config, _sparse_config(deepseek, spec))
+    seen = {}
+    real_select = type(cache.layers[1].sparse.policy).select
+
+    def spy(self, state, query, mask):
+        idx = real_select(self, state, query, mask)
+        if state.layer_idx == 1 and idx is not None:
+            seen.update(query=query, idx=idx, page_min=state.page_min, page_max=state.page_max, scaling=state.step.scaling)
+        return idx
+
+    with kvcompress.enabled(deepseek, backend="torch"):
+        out = deepseek(ids, **with_cache(cache))
+        type(cache.layers[1].sparse.policy).select = spy
+        try:
+            deepseek(out.logits[:, -1:].argmax(-1), **with_cache(cache))
+        finally:
+            type(cache.layers[1].sparse.policy).select = real_select
+    width = MLA_DIMS["kv_lora_rank"] + MLA_DIMS["qk_rope_head_dim"]
+    assert seen["page_min"].shape[-1] == width and seen["query"].shape[-1] == width
+    assert cache.layers[1].held_tokens == 97  # nothing evicted
+    idx = seen["idx"][0, 0]
+    assert idx.numel() < 97 and cache.tokens_read_last_step() < 97
+    pages = idx[:-1].reshape(-1, 8)[:, 0] // 8  # the whole pages read (the newest page comes last)
+    n_cand = 96 // 8  # the 12 full pages before the newest token's page
+    q = seen["query"].reshape(1, 1, -1, width)
+    real = torch.ones(1, 1, n_cand, dtype=torch.bool)
+    score = page_scores(q, seen["page_min"][:, :, :n_cand], seen["page_max"][:, :, :n_cand], real, seen["scaling"],
+                        0.25)[0, 0]
+    score[0] = float("inf")  # the sinks' page is always read
+    assert set(pages.tolist()) == set(score.topk(pages.numel()).indices.tolist())
+
+
+@torch.no_grad()
+def test_sparse_mla_without_enable_names_the_fix(deepseek):
+    """A sparse policy on an MLA model run without `kvcompress.enable` is refused with the fix in the message."""
+    from kvcompress import SparsitySpec
+    from kvcompress.config import ConfigError
+    from kvcompress.sparse.state import clear_pending
+
+    cache = CompressedCache(deepseek.config, _sparse_config(deepseek, SparsitySpec(method="h2o", budget=16)))
+    try:
+        with pytest.raises(ConfigError, match="kvcompress.enable"):
+            deepseek(torch.randint(3, 256, (1, 20)), **with_cache(cache))
+    finally:
+        clear_pending()

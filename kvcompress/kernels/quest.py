@@ -27,9 +27,11 @@ def quest_page_logits_torch(
     hkv, n_pages = page_min.shape[1], page_min.shape[2]
     if hq % hkv:
         raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({hkv})")
-    qg = q.float().reshape(b, hkv, hq // hkv, 1, d)  # [B, Hkv, G, 1, D]
-    lo, hi = page_min.float()[:, :, None], page_max.float()[:, :, None]  # [B, Hkv, 1, n, D]
-    logits = (qg * (lo + hi) / 2).sum(-1) + radius_scale * (qg.abs() * (hi - lo) / 2).sum(-1)
+    qg = q.float().reshape(b, hkv, hq // hkv, d)  # [B, Hkv, G, D]
+    lo, hi = page_min.float(), page_max.float()  # [B, Hkv, n, D]
+    # products, not a [B, Hkv, G, n, D] broadcast: an MLA layer has G = 128 heads over 576-wide summaries
+    logits = torch.einsum("bhgd,bhnd->bhgn", qg, (lo + hi) / 2)
+    logits += radius_scale * torch.einsum("bhgd,bhnd->bhgn", qg.abs(), (hi - lo) / 2)
     return logits.reshape(b, hq, n_pages)
 
 
@@ -82,6 +84,9 @@ def quest_page_scores(
     backend = backend or select_backend(q.device)
     if backend == "triton":
         logits_fn, mass_fn = quest_page_logits_triton, quest_page_mass_triton
+        d = q.shape[-1]
+        if d & (d - 1):  # the logits kernel tiles the head dim whole (an MLA key is 512 + 64 wide)
+            logits_fn = quest_page_logits_torch
     else:
         logits_fn, mass_fn = quest_page_logits_torch, quest_page_mass_torch
     logits = logits_fn(q, page_min, page_max, radius_scale)  # [B, Hq, n_pages]

@@ -35,6 +35,9 @@ from torch import nn
 from kvcompress.kernels.attention_backend import fused_active, take_deferred
 from kvcompress.kernels.mla_decode import MlaLatent, merge_partials
 from kvcompress.kernels.mla_layer import decode_allowed, latent_dims_supported, mla_attend, mla_layer_decode
+from kvcompress.sparse.mla import attend_mla_torch
+from kvcompress.sparse.state import take_pending
+from kvcompress.sparse.step import begin_sparse_step, finish_sparse_step
 
 _MLA_CLASSES = ("DeepseekV3Attention", "DeepseekV2Attention")
 
@@ -188,16 +191,23 @@ def _absorbed_forward(attn: nn.Module, original: Callable) -> Callable:
         k_rot = k_rot.view(b, 1, s, self.qk_rope_head_dim)  # [B, 1, S, Dr]
         q_rot, k_rot = rope(q_rot, k_rot, position_embeddings)
 
-        deferred = None
+        deferred = sparse = None
         if cache is not None:
             kv_nope, k_rot = cache.update(kv_nope, k_rot, self.layer_idx)  # [B, 1, T, R], [B, 1, T, Dr]
             deferred = take_deferred(kv_nope)  # a fused decode step: kv_nope is only the new token
+            sparse = take_pending(kv_nope)  # a layer with a sparsity policy (kvcompress.sparse)
 
         w_uk, w_uv = split_kv_b_proj(self.kv_b_proj.weight, self.num_heads, self.qk_nope_head_dim, self.v_head_dim)
         q_latent = absorb_query(q_nope, w_uk)
         kv_len = deferred.held_tokens if deferred is not None else kv_nope.shape[2]
         mask = additive_mask(attention_mask, b, s, kv_len, q.device, torch.float32)
-        if deferred is not None:  # the packed latent, read by the fused kernel where it lies
+        if sparse is not None:  # what the policy keeps and selects, in torch (the policy sees the attention)
+            query = torch.cat([q_latent, q_rot.to(q_latent.dtype)], -1)  # the width of its page summaries
+            begin_sparse_step(sparse, query, kv_nope, attention_mask, self.scaling, False)
+            o_latent, mass = attend_mla_torch(q_latent, q_rot, sparse, self.scaling)
+            finish_sparse_step(sparse, mass)
+            o_latent = o_latent.to(q_latent.dtype)
+        elif deferred is not None:  # the packed latent, read by the fused kernel where it lies
             o = mla_layer_decode(deferred, q_latent[:, :, 0], q_rot[:, :, 0], self.scaling,
                                  decode_allowed(mask, b, kv_len))
             o_latent = o.to(q_latent.dtype)[:, :, None]
