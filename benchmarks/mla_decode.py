@@ -163,7 +163,7 @@ def library_launch(latent: MlaLatent, b: int, t: int) -> dict:
     """The launch `kvcompress.enable` uses for this latent (mla_layer.launch_for)."""
     from kvcompress.kernels.mla_layer import launch_for
 
-    return launch_for(latent, 128, b, torch.device("cuda"))
+    return launch_for(latent, 128, b, torch.device("cuda"), tokens=t)
 
 
 class FrozenLayer:
@@ -260,6 +260,35 @@ def kernel_sweep(b: int, t: int, kinds=("dense", "plain", "outliers")) -> list[s
     return lines
 
 
+def quest_kernel(b: int, t: int, budget: int) -> list[str]:
+    """The packed kernel alone at T x B over every page, and over a page list of budget / 64 pages (random,
+    the first page always in), as Quest's selection makes the library read it; graph replays."""
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(3)
+    kv = torch.randn(b, 1, t, 512, device=dev, dtype=torch.bfloat16, generator=g)
+    kr = torch.randn(b, 1, t, 64, device=dev, dtype=torch.bfloat16, generator=g)
+    ql = torch.randn(b, 128, 512, device=dev, dtype=torch.bfloat16, generator=g)
+    qr = torch.randn(b, 128, 64, device=dev, dtype=torch.bfloat16, generator=g)
+    n = budget // PAGE
+    pages = torch.stack([torch.cat([torch.zeros(1, device=dev, dtype=torch.int64),
+                                    1 + torch.randperm(t // PAGE - 1, device=dev, generator=g)[: n - 1]]).sort().values
+                         for _ in range(b)]).to(torch.int32)
+    lines = [f"packed kernel alone, T={t} B={b}, every page vs a page list of {n} (Quest at {budget} tokens):",
+             "| latent | all pages (ms) | page list (ms) | speed-up |", "|---|---|---|---|"]
+    for kind, frac in (("nuq4", 0.0), ("nuq4 + 1 % outliers", 0.01)):
+        latent = pack_latent(kv, kr, frac)
+        times = []
+        for listed in (None, pages):
+            launch = library_launch(latent, b, t if listed is None else n * PAGE)
+            splits = launch.pop("num_splits")
+            times.append(graph_ms(lambda: merge_partials(*mla_decode_triton(ql, qr, latent, 0.07, splits, pages=listed,
+                                                                             **launch))))
+        lines.append(f"| {kind} | {times[0]:.3f} | {times[1]:.3f} | {times[0] / times[1]:.1f}x |")
+        print(lines[-1], flush=True)
+        del latent
+    return lines
+
+
 @torch.no_grad()
 def main():
     ap = argparse.ArgumentParser()
@@ -271,6 +300,8 @@ def main():
                          "library (the nuq4 preset's CompressedLayer through the library's decode path)")
     ap.add_argument("--kernel-sweep", action="store_true", help="also time the kernel alone over a grid of launches")
     ap.add_argument("--sweep-only", action="store_true", help="only the kernel sweep (at the largest case)")
+    ap.add_argument("--quest", type=int, default=0,
+                    help="only the packed kernel over every page vs a Quest page list of this many tokens")
     ap.add_argument("--tune", action="store_true",
                     help="pick each fused variant's launch from eager timings (default: the library's launch)")
     args = ap.parse_args()
@@ -278,6 +309,10 @@ def main():
     global TIMER
     TIMER = graph_ms if args.graph else time_ms
     cases = [tuple(int(v) for v in c.split("x")) for c in args.cases] if args.cases else CASES
+    if args.quest:
+        t, b = max(cases, key=lambda c: c[0] * c[1])
+        print("\n".join(quest_kernel(b, t, args.quest)))
+        return
     if args.sweep_only:
         t, b = max(cases, key=lambda c: c[0] * c[1])
         text = "\n".join(kernel_sweep(b, t))

@@ -233,8 +233,9 @@ def test_mla_fused_decode_in_a_model():
 @pytest.mark.parametrize("method", ["quest", "h2o"])
 def test_sparse_mla_on_the_gpu(method):
     """A tiny DeepSeek-V3 in bf16 on the GPU under kvcompress.enable with Quest / H2O over the nuq4 latent
-    (Quest scores its 48-wide MLA keys with the torch logits and the Triton mass kernel): the decode steps
-    match the torch backend's, and read (Quest) or hold (H2O) fewer tokens than the context."""
+    (Quest scores its 48-wide MLA keys with the torch logits and the Triton mass kernel, and its decode
+    steps run the fused kernel over the selected body pages; H2O attends in torch): the decode steps match
+    the torch backend's, and read (Quest) or hold (H2O) fewer tokens than the context."""
     import kvcompress
     from conftest import make_tiny_model
     from test_mla import MLA_DIMS, _sparse_config
@@ -244,14 +245,17 @@ def test_sparse_mla_on_the_gpu(method):
 
     model = make_tiny_model("deepseek_v3", **MLA_DIMS).to(DEV, LOW)
     ids = torch.randint(3, 256, (2, 208), generator=torch.Generator().manual_seed(9)).to(DEV)
-    spec = SparsitySpec(method=method, budget=96, page_size=16 if method == "quest" else 64)
+    spec = SparsitySpec(method=method, budget=96, page_size=64)
+    cfg = _sparse_config(model, spec, "nuq4")
+    for p in cfg.layers:
+        p.sinks = 0  # Quest's pages are then the body's, which the fused kernel reads by a page list
     runs, used = {}, {}
     for backend in ("torch", "triton"):
         os.environ["KVCOMPRESS_KERNELS"] = backend
         kvcompress.enable(model)
         try:
             with torch.no_grad():
-                cache = kvcompress.CompressedCache(model.config, _sparse_config(model, spec, "nuq4"))
+                cache = kvcompress.CompressedCache(model.config, cfg)
                 steps = [model(ids[:, :200], **with_cache(cache)).logits[:, -1]]
                 for i in range(200, 208):
                     steps.append(model(ids[:, i:i + 1], **with_cache(cache)).logits[:, -1])

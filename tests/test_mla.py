@@ -603,3 +603,89 @@ def test_sparse_mla_without_enable_names_the_fix(deepseek):
             deepseek(torch.randint(3, 256, (1, 20)), **with_cache(cache))
     finally:
         clear_pending()
+
+
+def test_triton_kernel_reads_a_page_list():
+    """The packed kernel with Quest's page list reads only the listed pages (in list order, -1 reads
+    nothing, the splits dividing the list) and matches its twin; the twin equals attention over those
+    pages' tokens alone."""
+    mla_decode_triton = _triton_or_skip()
+    lat = _packed_latent(2, 128, 32, 16, 16, 0, fp8_rot=True, per_token=1)  # 8 pages of 16
+    g = torch.Generator().manual_seed(7)
+    ql, qr = torch.randn(2, 6, 32, generator=g), torch.randn(2, 6, 16, generator=g)
+    pages = torch.tensor([[0, 3, 5, -1], [1, 2, 7, 6]])
+    allowed = torch.ones(2, 128, dtype=torch.bool)
+    allowed[1, 16:20] = False  # inside page 1 of row 1
+    ref_out, ref_lse = mla_decode_torch(ql, qr, lat, 0.25, 2, allowed, pages)
+    out, lse = mla_decode_triton(ql, qr, lat, 0.25, 2, allowed, pages=pages, block_h=16, tile_f16=False)
+    assert _rel_err(merge_partials(out, lse), merge_partials(ref_out, ref_lse)) < 1e-3
+    assert torch.allclose(lse, ref_lse, atol=1e-3)
+    kv, kr = dequantize_latent(lat, torch.float32)
+    for row, listed in enumerate(pages.tolist()):
+        tok = torch.cat([torch.arange(p * 16, p * 16 + 16) for p in listed if p >= 0])
+        tok = tok[allowed[row, tok]]
+        w = torch.softmax((ql[row] @ kv[row, tok].T + qr[row] @ kr[row, tok].T) * 0.25, -1)
+        assert (merge_partials(ref_out, ref_lse)[row] - w @ kv[row, tok]).abs().max() < 1e-5
+
+
+@torch.no_grad()
+def test_quest_on_mla_runs_fused(deepseek, monkeypatch):
+    """nuq4+quest on DeepSeek: on the fused backend the decode steps read the packed body's selected pages
+    through the kernel (a page list, no dense() of the cache) and give the torch backend's logits."""
+    _triton_or_skip()
+    from kvcompress.cache import CompressedLayer
+    from kvcompress.kernels import mla_layer
+    from kvcompress import SparsitySpec
+
+    ids = torch.randint(3, 256, (1, 200), generator=torch.Generator().manual_seed(11))
+    spec = SparsitySpec(method="quest", budget=96, page_size=64)
+    cfg = _sparse_config(deepseek, spec, "nuq4")
+    for p in cfg.layers:
+        p.sinks = 0
+    runs, lists = {}, []
+    dense, kernel = CompressedLayer.dense, mla_layer.mla_decode_triton
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv("KVCOMPRESS_KERNELS", backend)
+
+        def spy_kernel(*a, **k):
+            lists.append(k.get("pages"))
+            return kernel(*a, **k)
+
+        def no_dense(self):
+            raise AssertionError("the fused decode step decoded the cache")
+
+        monkeypatch.setattr(mla_layer, "mla_decode_triton", spy_kernel)
+        with kvcompress.enabled(deepseek):
+            cache = CompressedCache(deepseek.config, cfg)
+            out = deepseek(ids, **with_cache(cache))
+            steps = [out.logits[:, -1]]
+            if backend == "triton":
+                monkeypatch.setattr(CompressedLayer, "dense", no_dense)
+            for i in range(6):
+                out = deepseek(steps[-1].argmax(-1, keepdim=True), **with_cache(cache))
+                steps.append(out.logits[:, -1])
+            monkeypatch.setattr(CompressedLayer, "dense", dense)
+        runs[backend] = torch.stack(steps)
+        assert cache.tokens_read_last_step() < cache.layers[1].held_tokens
+    assert any(p is not None and p.shape[-1] < 4 for p in lists)  # 3 body pages, fewer than the body's
+    assert _rel_err(runs["triton"], runs["torch"]) < 1e-4
+
+
+def test_sparse_presets_on_mla_build_on_the_mla_base():
+    """A sparse preset over nuq4 means the MLA nuq4 on an MLA layout (latent per channel, RoPE key in FP8),
+    with Quest's pages the body's pages (what the fused kernel reads)."""
+    from dataclasses import replace
+
+    from kvcompress.kernels.mla_layer import mla_fused_supported
+
+    model = make_tiny_model("deepseek_v3", **MLA_DIMS)
+    cfg = KVCompressConfig.from_preset("nuq4+quest-1024", ModelLayout.from_model_config(model.config))
+    policy = cfg.layers[-1]
+    assert policy.key.axis == "channel" and policy.key.outlier_scope == "token" and policy.value.method == "fp8"
+    assert policy.sparsity.method == "quest" and policy.sparsity.page_size == policy.page_size and policy.sinks == 0
+    for p in cfg.layers:  # the preset keeps the first 2 layers dense: all the tiny model has
+        p.sparsity = replace(p.sparsity, dense_layers=0)
+    cache = CompressedCache(model.config, cfg)
+    with torch.no_grad(), kvcompress.enabled(model, backend="torch"):
+        model(torch.randint(3, 256, (1, 80)), **with_cache(cache))
+    assert cache.layers[-1].sparse is not None and mla_fused_supported(cache.layers[-1])

@@ -136,21 +136,34 @@ def mla_decode_torch(
     scaling: float,
     num_splits: int = 1,
     allowed: torch.Tensor | None = None,
+    pages: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q_latent [B, H, R], q_rope [B, H, Dr] -> partial outputs [B, H, S, R] float32 and lse [B, H, S].
 
     Split s covers the pages [s * n, (s+1) * n) with n = ceil(pages / S); each partial output is
     normalised within its split and `lse` is that split's log-sum-exp (-inf, output 0, when it is empty
     or every token in it is masked). allowed [B, T] bool (or uint8, nonzero = attend), None = all.
+    pages [B, n] int: read only these pages of `page_size` tokens (Quest's selection; -1 reads nothing),
+    the splits then dividing the list.
     """
     kv, k_rot = dequantize_latent(latent, q_latent.dtype)
+    if pages is not None:  # the listed pages, in list order: the splits divide the list as the kernel's do
+        p = latent.page_size
+        tok = (pages.long().clamp_min(0)[..., None] * p + torch.arange(p, device=pages.device)).flatten(1)
+        keep = ((pages >= 0)[..., None].expand(-1, -1, p).flatten(1)) & (tok < latent.num_tokens)
+        tok = tok.clamp_max(latent.num_tokens - 1)
+        if allowed is not None:
+            keep &= allowed.bool().gather(1, tok)
+        kv = kv.gather(1, tok[..., None].expand(-1, -1, kv.shape[-1]))
+        k_rot = k_rot.gather(1, tok[..., None].expand(-1, -1, k_rot.shape[-1]))
+        allowed = keep
     # the kernel multiplies the tile as q_latent's dtype holds it
     scores = torch.einsum("bhr,btr->bht", q_latent.float(), kv.float())
     scores += torch.einsum("bhd,btd->bht", q_rope.float(), k_rot.float())
     scores *= scaling
     if allowed is not None:
         scores = scores.masked_fill(~allowed.bool()[:, None, :], float("-inf"))
-    bounds = _split_bounds(latent.num_tokens, latent.page_size, num_splits)
+    bounds = _split_bounds(kv.shape[1], latent.page_size, num_splits)
     outs, lses = [], []
     for lo, hi in bounds:
         if hi <= lo:
@@ -185,16 +198,18 @@ def mla_decode_triton(
     scaling: float,
     num_splits: int = 1,
     allowed: torch.Tensor | None = None,
+    pages: torch.Tensor | None = None,
     **launch,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as `mla_decode_torch`; `launch`: block_h, num_warps, num_stages."""
+    """Same contract as `mla_decode_torch` (a page list for packed latents only); `launch`: block_h,
+    num_warps, num_stages."""
     from kvcompress.kernels.backend import triton_available
 
     if not triton_available():
         raise ImportError("the fused MLA decode kernel needs Triton: pip install triton")
     from kvcompress.kernels import mla_decode_triton as impl
 
-    return impl.mla_decode_triton(q_latent, q_rope, latent, scaling, num_splits, allowed, **launch)
+    return impl.mla_decode_triton(q_latent, q_rope, latent, scaling, num_splits, allowed, pages=pages, **launch)
 
 
 def mla_decode(q_latent, q_rope, latent: MlaLatent, scaling: float, num_splits: int = 1, **launch) -> torch.Tensor:

@@ -12,6 +12,7 @@ latent tile kept small in registers:
   q . mean: the query is scaled once per program, the means give one score bias per head, and the output
   is rescaled once at the end. The tile the tensor cores read is the raw levels.
 
+- A page list (Quest): the splits divide the list, and each entry names the page a tile reads.
 - Outliers folded into the tile. The kernel reads outliers chosen per token (`outlier_scope="token"`: K per
   token, listed token by token): each one replaces its element of the level tile by its exact value in
   level units, (x - mean[c]) / scale[c], so the dots need no correction afterwards.
@@ -56,17 +57,17 @@ def _levels(KV, CB, PAIR, b, offs_n, n_mask, offs_j, stride_kvb, stride_kvt, DT:
     return lo, hi
 
 
-@triton.jit(do_not_specialize=("T", "blocks_per_split"))
+@triton.jit(do_not_specialize=("T", "blocks_per_split", "n_list"))
 def _mla_decode_packed_kernel(
-    QL, QR, Out, Lse, KV, KR, KRS, CB, PAIR, CMEAN, CSCALE, OIDX, OVAL, MASK,
+    QL, QR, Out, Lse, KV, KR, KRS, CB, PAIR, CMEAN, CSCALE, OIDX, OVAL, MASK, PAGES,
     stride_qlb, stride_qlh, stride_qrb, stride_qrh, stride_mb,
     stride_kvb, stride_kvt, stride_krb, stride_krt, stride_krsb,
-    stride_cmb, stride_oib, stride_oip,
+    stride_cmb, stride_oib, stride_oip, stride_pb, n_list,
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
     H, T, blocks_per_split, qk_scale,
     R: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     KR_FP8: tl.constexpr, K_TOK: tl.constexpr, HAS_MASK: tl.constexpr, PAIR16: tl.constexpr,
-    TILE_F16: tl.constexpr,
+    TILE_F16: tl.constexpr, HAS_PAGES: tl.constexpr,
 ):
     RH: tl.constexpr = R // 2
     b = tl.program_id(1)
@@ -97,12 +98,18 @@ def _mla_decode_packed_kernel(
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc_ev = tl.zeros([BLOCK_H, RH], tl.float32)
     acc_od = tl.zeros([BLOCK_H, RH], tl.float32)
-    n_blocks = tl.cdiv(T, BLOCK_N)
     first = split * blocks_per_split
-    last = tl.minimum(first + blocks_per_split, n_blocks)
-    for blk in range(first, last):
-        offs_n = blk * BLOCK_N + offs_bn
-        n_mask = offs_n < T
+    last = tl.minimum(first + blocks_per_split, n_list)  # tiles of the latent, or entries of the page list
+    for i in range(first, last):
+        if HAS_PAGES:  # Quest's page i of this row (-1: nothing; its loads stay on page 0, all masked)
+            page = tl.load(PAGES + b * stride_pb + i)
+            blk = tl.maximum(page, 0)
+            offs_n = blk * BLOCK_N + offs_bn
+            n_mask = offs_n < tl.where(page >= 0, T, 0)
+        else:
+            blk = i
+            offs_n = blk * BLOCK_N + offs_bn
+            n_mask = offs_n < T
         u_ev, u_od = _levels(KV, CB, PAIR, b, offs_n, n_mask, offs_j, stride_kvb, stride_kvt, DT, PAIR16)
         for k in tl.static_range(K_TOK):  # each token's k-th outlier replaces its element of the tile
             o_ptr = b * stride_oib + blk * stride_oip + offs_bn * K_TOK + k

@@ -104,10 +104,12 @@ def mla_decode_triton(
     num_warps: int = 4,
     num_stages: int = 1,
     tile_f16: bool | None = None,
+    pages: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `mla_decode_torch`; block_h heads per program, tiles of latent.page_size tokens.
     A packed latent's outliers must be chosen per token (`latent.outliers_per_token`). tile_f16: the packed
-    kernel's dot operands in fp16 for fp32 queries (None: on a GPU, where fp32 tiles do not fit)."""
+    kernel's dot operands in fp16 for fp32 queries (None: on a GPU, where fp32 tiles do not fit). pages
+    [B, n]: the page list (packed latents), the splits dividing it."""
     b, h, r = q_latent.shape
     assert r == latent.latent_dim and r & (r - 1) == 0, f"latent width {r} must be a power of two"
     assert q_rope.shape[:2] == (b, h) and q_rope.shape[-1] == latent.k_rot.shape[-1]
@@ -116,7 +118,13 @@ def mla_decode_triton(
     t = latent.num_tokens
     out = torch.empty(b, h, num_splits, r, device=q_latent.device, dtype=torch.float32)
     lse = torch.empty(b, h, num_splits, device=q_latent.device, dtype=torch.float32)
-    per_split = triton.cdiv(triton.cdiv(t, latent.page_size), num_splits)
+    if pages is not None:
+        if not latent.is_packed:
+            raise ValueError("a page list is read over a packed latent only; attend over a dense one whole")
+        assert pages.shape[0] == b and pages.stride(-1) == 1, f"pages {tuple(pages.shape)} must be [B, n], contiguous"
+        pages = pages.to(torch.int32)
+    n_list = pages.shape[1] if pages is not None else triton.cdiv(t, latent.page_size)
+    per_split = triton.cdiv(n_list, num_splits)
     kv, k_rot = latent.kv, latent.k_rot
     dummy = q_latent.new_zeros(1)
     krs = latent.k_rot_scale if latent.k_rot_scale is not None else dummy
@@ -157,9 +165,11 @@ def mla_decode_triton(
     cmean, cscale = latent.channel_mean.float().contiguous(), latent.channel_scale.float().contiguous()
     oidx = latent.outlier_idx if latent.num_outliers else dummy
     oval = latent.outlier_val if latent.num_outliers else dummy
+    page_list = pages if pages is not None else dummy
     _mla_decode_packed_kernel[grid](
-        q_latent, q_rope, out, lse, kv, k_rot, krs, cb, pair, cmean, cscale, oidx, oval, mask, *common,
-        cmean.stride(0), oidx.stride(0) if oidx.dim() > 1 else 0, oidx.stride(1) if oidx.dim() > 1 else 0, *tail,
-        K_TOK=latent.outliers_per_token, PAIR16=pair16, TILE_F16=tile_f16, **meta,
+        q_latent, q_rope, out, lse, kv, k_rot, krs, cb, pair, cmean, cscale, oidx, oval, mask, page_list, *common,
+        cmean.stride(0), oidx.stride(0) if oidx.dim() > 1 else 0, oidx.stride(1) if oidx.dim() > 1 else 0,
+        page_list.stride(0) if pages is not None else 0, n_list, *tail,
+        K_TOK=latent.outliers_per_token, PAIR16=pair16, TILE_F16=tile_f16, HAS_PAGES=pages is not None, **meta,
     )
     return out, lse

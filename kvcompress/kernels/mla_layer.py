@@ -37,14 +37,20 @@ def latent_dims_supported(latent_dim: int, rope_dim: int) -> bool:
 def mla_fused_supported(layer) -> bool:
     """Whether `mla_layer_decode` can read this compressed MLA layer's body as stored: the latent as
     4-bit channel NUQ (one codebook, no rotation, outliers if any chosen per token) or exact, k_rot as
-    dynamic E4M3 or exact; no sparsity."""
+    dynamic E4M3 or exact; no sparsity but Quest over the packed latent with the body's pages (the kernel
+    reads its page list; H2O and the other policies need the attention mass, which the kernel does not
+    report)."""
     from kvcompress.quant.fp8 import Fp8Codec
     from kvcompress.quant.identity import IdentityCodec
     from kvcompress.quant.nuq import NuqCodec
 
-    if getattr(layer, "sparse", None) is not None:
-        return False
     kc, vc = layer.key_store.codec, layer.value_store.codec
+    sparse = getattr(layer, "sparse", None)
+    if sparse is not None:  # Quest over the packed body: its pages must be the body's pages
+        if not (sparse.policy.keeps_page_summaries and isinstance(kc, NuqCodec)):
+            return False
+        if sparse.policy.page_size != kc.page_size or layer.sink_k.shape[2] % kc.page_size:
+            return False
     if isinstance(kc, NuqCodec):
         if kc.axis != "channel" or kc.nbits != 4 or kc.rotation_signs is not None or kc.codebook.dim() != 1:
             return False
@@ -88,27 +94,30 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def launch_for(latent: MlaLatent, heads: int, batch: int, device: torch.device) -> dict:
-    """The kernel launch for `latent` (LAUNCH by kind) with its split count; fewer heads per program (and
-    warps in proportion) when the model has fewer heads than a block."""
+def launch_for(latent: MlaLatent, heads: int, batch: int, device: torch.device, tokens: int | None = None) -> dict:
+    """The kernel launch for `latent` (LAUNCH by kind) with its split count for `tokens` read (default:
+    all of them); fewer heads per program (and warps in proportion) when the model has fewer heads than a
+    block."""
     kind = "dense" if not latent.is_packed else "packed_outliers" if latent.num_outliers else "packed"
     launch = dict(LAUNCH[kind])
     block_h = max(16, min(launch["block_h"], 1 << max(heads - 1, 1).bit_length()))
     launch["num_warps"] = max(4, launch["num_warps"] * block_h // launch["block_h"])
     launch["block_h"] = block_h
-    launch["num_splits"] = default_num_splits(batch, heads, latent.num_tokens, block_h, _sm_count(device),
-                                              latent.page_size)
+    tokens = latent.num_tokens if tokens is None else tokens
+    launch["num_splits"] = default_num_splits(batch, heads, tokens, block_h, _sm_count(device), latent.page_size)
     return launch
 
 
-def mla_attend(q_latent, q_rope, latent: MlaLatent, scaling: float, allowed, backend: str, launch=None):
-    """Partial outputs [B, H, S, R] and lse [B, H, S] of the fused kernel (or its twin) over `latent`."""
+def mla_attend(q_latent, q_rope, latent: MlaLatent, scaling: float, allowed, backend: str, launch=None, pages=None):
+    """Partial outputs [B, H, S, R] and lse [B, H, S] of the fused kernel (or its twin) over `latent`, or over
+    its listed pages [B, n] only."""
     b, h, _ = q_latent.shape
     if backend == "triton":
-        launch = dict(launch or launch_for(latent, h, b, q_latent.device))
+        tokens = pages.shape[1] * latent.page_size if pages is not None else None
+        launch = dict(launch or launch_for(latent, h, b, q_latent.device, tokens))
         splits = launch.pop("num_splits")
-        return mla_decode_triton(q_latent, q_rope, latent, scaling, splits, allowed, **launch)
-    return mla_decode_torch(q_latent, q_rope, latent, scaling, 1, allowed)
+        return mla_decode_triton(q_latent, q_rope, latent, scaling, splits, allowed, pages=pages, **launch)
+    return mla_decode_torch(q_latent, q_rope, latent, scaling, 1, allowed, pages)
 
 
 def mla_layer_decode(
@@ -118,15 +127,17 @@ def mla_layer_decode(
     scaling: float,
     allowed: torch.Tensor | None,
     backend: str = "triton",
+    pages: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q_latent [B, H, R], q_rope [B, H, Dr] over a deferred layer (new token already in its tail),
-    allowed [B, held] bool or None -> o_latent [B, H, R] float32."""
+    allowed [B, held] bool or None, pages [B, n]: the body pages to read (Quest; None: all) -> o_latent
+    [B, H, R] float32."""
     n_sink, n_body = layer.sink_k.shape[2], layer.key_store.n_tokens
     outs, lses = [], []
     if n_body:
         body = MlaLatent.from_stores(layer.key_store, layer.value_store, q_latent.dtype)
         keep = allowed[:, n_sink: n_sink + n_body].contiguous() if allowed is not None else None
-        out, lse = mla_attend(q_latent, q_rope, body, scaling, keep, backend)
+        out, lse = mla_attend(q_latent, q_rope, body, scaling, keep, backend, pages=pages)
         outs.append(out)
         lses.append(lse)
     exact = MlaLatent(

@@ -32,7 +32,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from kvcompress.kernels.attention_backend import fused_active, take_deferred
+from kvcompress.kernels.attention_backend import fused_active, quest_page_list, take_deferred
 from kvcompress.kernels.mla_decode import MlaLatent, merge_partials
 from kvcompress.kernels.mla_layer import decode_allowed, latent_dims_supported, mla_attend, mla_layer_decode
 from kvcompress.sparse.mla import attend_mla_torch
@@ -200,11 +200,19 @@ def _absorbed_forward(attn: nn.Module, original: Callable) -> Callable:
         w_uk, w_uv = split_kv_b_proj(self.kv_b_proj.weight, self.num_heads, self.qk_nope_head_dim, self.v_head_dim)
         q_latent = absorb_query(q_nope, w_uk)
         kv_len = deferred.held_tokens if deferred is not None else kv_nope.shape[2]
-        mask = additive_mask(attention_mask, b, s, kv_len, q.device, torch.float32)
-        if sparse is not None:  # what the policy keeps and selects, in torch (the policy sees the attention)
+        # (a sparse layer reads the mask by position instead: kvcompress.sparse.step)
+        mask = additive_mask(attention_mask, b, s, kv_len, q.device, torch.float32) if sparse is None else None
+        if sparse is not None:  # what the policy keeps and selects (the policy sees the attention)
             query = torch.cat([q_latent, q_rot.to(q_latent.dtype)], -1)  # the width of its page summaries
-            begin_sparse_step(sparse, query, kv_nope, attention_mask, self.scaling, False)
-            o_latent, mass = attend_mla_torch(q_latent, q_rot, sparse, self.scaling)
+            begin_sparse_step(sparse, query, kv_nope, attention_mask, self.scaling, deferred is not None)
+            if deferred is not None:  # Quest on the fused path: the kernel reads the selected body pages
+                step = sparse.sparse.step
+                pages = quest_page_list(sparse, step.index)[:, 0].contiguous() if step.index is not None else None
+                o = mla_layer_decode(sparse, q_latent[:, :, 0], q_rot[:, :, 0], self.scaling,
+                                     step.mask[:, 0, -1, :], pages=pages)
+                o_latent, mass = o[:, :, None], None
+            else:
+                o_latent, mass = attend_mla_torch(q_latent, q_rot, sparse, self.scaling)
             finish_sparse_step(sparse, mass)
             o_latent = o_latent.to(q_latent.dtype)
         elif deferred is not None:  # the packed latent, read by the fused kernel where it lies

@@ -20,7 +20,7 @@ from dataclasses import replace
 
 from kvcompress.config import LayerPolicy, SparsitySpec
 from kvcompress.layout.arch import ModelLayout
-from kvcompress.presets import PRESETS, LayerFn, register_preset
+from kvcompress.presets import MLA_PRESETS, PRESETS, LayerFn, register_preset
 
 SPARSE_PAGE = 16  # H2O eviction chunk / packed pages under sparsity
 # Quest pages: 8-token pages bound q.k tighter than 16 (SmolLM2-135M, reading 50% of the context:
@@ -39,7 +39,9 @@ def _sparse(
     spec: SparsitySpec, base: str = "none", page_size: int | None = None, sinks: int | None = None
 ) -> LayerFn:
     def fn(layout: ModelLayout, i: int) -> LayerPolicy:
-        policy = PRESETS[base](layout, i)
+        # the base preset as this layout means it (an MLA latent is coded per channel, its RoPE key in FP8)
+        base_fn = MLA_PRESETS.get(base, PRESETS[base]) if layout.attention == "mla" else PRESETS[base]
+        policy = base_fn(layout, i)
         return replace(policy, sparsity=spec, page_size=page_size or policy.page_size,
                        sinks=policy.sinks if sinks is None else sinks)
 
