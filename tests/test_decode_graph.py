@@ -283,3 +283,42 @@ def test_cli_generate_with_the_graph(smollm2, monkeypatch):
     monkeypatch.setenv("KVCOMPRESS_KERNELS", "torch")
     refused = CliRunner().invoke(main, [*args, "--graph"])
     assert refused.exit_code != 0 and "fused Triton kernels" in refused.output
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_mla_fixed_address_steps(padded):
+    """A DeepSeek-V3 (MLA) model in the decode graph: the packed latent in reserved buffers read up to its
+    length on the device, the sinks and the fixed tail buffer masked by the tail's length, left padding from
+    the row starts; every step equals the growing cache's fused step, across page flushes."""
+    from test_mla import MLA_DIMS
+
+    mla = make_tiny_model("deepseek_v3", **MLA_DIMS)
+    cfg = KVCompressConfig.from_preset("nuq4", mla.config)
+    # a residual window, so that pages are encoded at the same tokens on both paths (see small_pages)
+    layers = [replace(p, page_size=16, residual=2) for p in cfg.layers]
+    cfg = KVCompressConfig(layout=cfg.layout, layers=layers, name="nuq4-p16")
+    prompt, new, steps = tokens(PROMPT, seed=6), tokens(40, seed=7), 40
+    mask = torch.ones(2, PROMPT, dtype=torch.long)
+    if padded:
+        mask[1, :9] = 0
+    pos = (mask.cumsum(-1) - 1).clamp_min(0)
+    kvcompress.enable(mla)
+    try:
+        caches = [CompressedCache(mla.config, cfg) for _ in range(2)]
+        with torch.no_grad():
+            for c in caches:
+                mla(prompt, attention_mask=mask, position_ids=pos, **with_cache(c))
+            ref, cache = caches
+            graph = DecodeGraph(mla, cache, max_tokens=PROMPT + steps, use_graph=False,
+                                attention_mask=mask if padded else None)
+            for i in range(steps):
+                t = new[:, i : i + 1]
+                mask = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1)
+                step_pos = mask.sum(-1, keepdim=True) - 1
+                want = mla(t, attention_mask=mask, position_ids=step_pos, **with_cache(ref)).logits[:, -1]
+                got = graph.step(t)
+                torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
+    finally:
+        kvcompress.disable(mla)
+    assert graph.statics is not None and graph.eager_static_steps > 30
+    assert cache.layers[1].key_store.n_pages >= 4  # pages were flushed while in the graph

@@ -69,11 +69,6 @@ class DecodeGraph:
                     f"layer {layer.layer_idx} is a sliding-window layer; DecodeGraph supports "
                     "full-attention models only"
                 )
-            if layer.mla_latent:
-                raise ConfigError(
-                    "DecodeGraph does not capture MLA models yet (their absorbed attention reads the "
-                    "latent through update()); decode them eagerly"
-                )
             if not layer.is_initialized:
                 raise ConfigError("prefill the prompt through the cache before building a DecodeGraph")
             if not layer.compressed or layer.sparse is not None:

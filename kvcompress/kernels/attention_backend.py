@@ -54,6 +54,11 @@ def fused_active() -> bool:
     return bool(getattr(_local, "fused", False))
 
 
+def current_row_starts() -> torch.Tensor | None:
+    """The row starts [B] of the forward in progress (left padding; None without), as `begin_forward` got them."""
+    return getattr(_local, "row_starts", None)
+
+
 def end_forward() -> None:
     _local.fused = False
     _local.deferred = None

@@ -81,12 +81,13 @@ class MlaLatent:
         return 0 if self.outlier_idx is None else self.outlier_idx.shape[-1]
 
     @classmethod
-    def from_stores(cls, key_store, value_store, dtype: torch.dtype = torch.bfloat16) -> "MlaLatent":
+    def from_stores(cls, key_store, value_store, dtype: torch.dtype = torch.bfloat16, reserved: bool = False) -> "MlaLatent":
         """The body of a CompressedLayer holding an MLA latent: key store = NUQ channel-axis kv_nope
         (or identity), value store = FP8 or identity k_rot. Store fields are [B, 1, ...]. Streams the
-        kernel does not read packed are decoded to `dtype` (an identity stream is only cast)."""
+        kernel does not read packed are decoded to `dtype` (an identity stream is only cast).
+        reserved: the stores' whole reserved buffers (a decode graph; the filled length is on the device)."""
         kc, vc = key_store.codec, value_store.codec
-        kd, vd = key_store.data, value_store.data
+        kd, vd = (key_store.buffers, value_store.buffers) if reserved else (key_store.data, value_store.data)
         fields = dict(latent_dim=kc.head_dim, page_size=kc.page_size)
         if "scale" in vd and getattr(vc, "fmt", None) == "e4m3" and getattr(vc, "channel_shift", None) is None:
             fields.update(k_rot=vd["codes"][:, 0], k_rot_scale=vd["scale"][:, 0, :, 0])
@@ -202,7 +203,8 @@ def mla_decode_triton(
     **launch,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `mla_decode_torch` (a page list for packed latents only); `launch`: block_h,
-    num_warps, num_stages."""
+    num_warps, num_stages, and `lengths` [B] int32 on the device (tokens of each row's latent a decode
+    graph has filled: no tile past it is read)."""
     from kvcompress.kernels.backend import triton_available
 
     if not triton_available():

@@ -59,7 +59,7 @@ def _levels(KV, CB, PAIR, b, offs_n, n_mask, offs_j, stride_kvb, stride_kvt, DT:
 
 @triton.jit(do_not_specialize=("T", "blocks_per_split", "n_list"))
 def _mla_decode_packed_kernel(
-    QL, QR, Out, Lse, KV, KR, KRS, CB, PAIR, CMEAN, CSCALE, OIDX, OVAL, MASK, PAGES,
+    QL, QR, Out, Lse, KV, KR, KRS, CB, PAIR, CMEAN, CSCALE, OIDX, OVAL, MASK, PAGES, LEN,
     stride_qlb, stride_qlh, stride_qrb, stride_qrh, stride_mb,
     stride_kvb, stride_kvt, stride_krb, stride_krt, stride_krsb,
     stride_cmb, stride_oib, stride_oip, stride_pb, n_list,
@@ -67,7 +67,7 @@ def _mla_decode_packed_kernel(
     H, T, blocks_per_split, qk_scale,
     R: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     KR_FP8: tl.constexpr, K_TOK: tl.constexpr, HAS_MASK: tl.constexpr, PAIR16: tl.constexpr,
-    TILE_F16: tl.constexpr, HAS_PAGES: tl.constexpr,
+    TILE_F16: tl.constexpr, HAS_PAGES: tl.constexpr, HAS_LEN: tl.constexpr,
 ):
     RH: tl.constexpr = R // 2
     b = tl.program_id(1)
@@ -98,6 +98,10 @@ def _mla_decode_packed_kernel(
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc_ev = tl.zeros([BLOCK_H, RH], tl.float32)
     acc_od = tl.zeros([BLOCK_H, RH], tl.float32)
+    if HAS_LEN:  # a decode graph: the row's filled length is on the device, the buffers are the reservation
+        T = tl.load(LEN + b)
+        if not HAS_PAGES:
+            n_list = tl.cdiv(T, BLOCK_N)
     first = split * blocks_per_split
     last = tl.minimum(first + blocks_per_split, n_list)  # tiles of the latent, or entries of the page list
     for i in range(first, last):

@@ -105,11 +105,13 @@ def mla_decode_triton(
     num_stages: int = 1,
     tile_f16: bool | None = None,
     pages: torch.Tensor | None = None,
+    lengths: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `mla_decode_torch`; block_h heads per program, tiles of latent.page_size tokens.
     A packed latent's outliers must be chosen per token (`latent.outliers_per_token`). tile_f16: the packed
     kernel's dot operands in fp16 for fp32 queries (None: on a GPU, where fp32 tiles do not fit). pages
-    [B, n]: the page list (packed latents), the splits dividing it."""
+    [B, n]: the page list (packed latents), the splits dividing it. lengths [B] int32: each row's filled
+    tokens (packed latents in a decode graph's reserved buffers; the splits divide the whole reservation)."""
     b, h, r = q_latent.shape
     assert r == latent.latent_dim and r & (r - 1) == 0, f"latent width {r} must be a power of two"
     assert q_rope.shape[:2] == (b, h) and q_rope.shape[-1] == latent.k_rot.shape[-1]
@@ -145,6 +147,8 @@ def mla_decode_triton(
                 KR_FP8=latent.k_rot_scale is not None, HAS_MASK=allowed is not None,
                 num_warps=num_warps, num_stages=num_stages)
     if not latent.is_packed:
+        if lengths is not None:
+            raise ValueError("lengths are read over a packed latent only; mask a dense one with `allowed`")
         _mla_decode_kernel[grid](q_latent, q_rope, out, lse, kv, k_rot, krs, mask, *common, *tail, **meta)
         return out, lse
 
@@ -166,10 +170,14 @@ def mla_decode_triton(
     oidx = latent.outlier_idx if latent.num_outliers else dummy
     oval = latent.outlier_val if latent.num_outliers else dummy
     page_list = pages if pages is not None else dummy
+    if lengths is not None:
+        assert lengths.shape == (b,) and lengths.dtype == torch.int32, "lengths must be [B] int32"
     _mla_decode_packed_kernel[grid](
-        q_latent, q_rope, out, lse, kv, k_rot, krs, cb, pair, cmean, cscale, oidx, oval, mask, page_list, *common,
+        q_latent, q_rope, out, lse, kv, k_rot, krs, cb, pair, cmean, cscale, oidx, oval, mask, page_list,
+        lengths if lengths is not None else dummy, *common,
         cmean.stride(0), oidx.stride(0) if oidx.dim() > 1 else 0, oidx.stride(1) if oidx.dim() > 1 else 0,
         page_list.stride(0) if pages is not None else 0, n_list, *tail,
-        K_TOK=latent.outliers_per_token, PAIR16=pair16, TILE_F16=tile_f16, HAS_PAGES=pages is not None, **meta,
+        K_TOK=latent.outliers_per_token, PAIR16=pair16, TILE_F16=tile_f16, HAS_PAGES=pages is not None,
+        HAS_LEN=lengths is not None, **meta,
     )
     return out, lse

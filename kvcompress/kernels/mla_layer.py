@@ -132,6 +132,9 @@ def mla_layer_decode(
     """q_latent [B, H, R], q_rope [B, H, Dr] over a deferred layer (new token already in its tail),
     allowed [B, held] bool or None, pages [B, n]: the body pages to read (Quest; None: all) -> o_latent
     [B, H, R] float32."""
+    static = getattr(layer, "static", None)
+    if static is not None:
+        return _static_decode(layer, static, q_latent, q_rope, scaling)
     n_sink, n_body = layer.sink_k.shape[2], layer.key_store.n_tokens
     outs, lses = [], []
     if n_body:
@@ -156,3 +159,38 @@ def mla_layer_decode(
     outs.append(out)
     lses.append(lse)
     return merge_partials(torch.cat(outs, 2), torch.cat(lses, 2))
+
+
+def _static_decode(layer, static, q_latent, q_rope, scaling: float) -> torch.Tensor:
+    """A decode-graph step (kvcompress.graph.StaticLayer): the body in its reserved buffers, read up to each
+    row's filled length on the device, and the sinks with the whole fixed tail buffer, masked by the tail's
+    length on the device. Nothing is read on the host, so the step can be captured and replayed; the masks
+    also carry the left padding (the row starts the decode graph read once)."""
+    from kvcompress.kernels.attention_backend import current_row_starts
+
+    b, h, r = q_latent.shape
+    dev, n_sink = q_latent.device, layer.sink_k.shape[2]
+    body = MlaLatent.from_stores(layer.key_store, layer.value_store, q_latent.dtype, reserved=True)
+    cap, slots = body.num_tokens, static.tail_k.shape[2]
+    body_idx, tail_idx = torch.arange(cap, device=dev), torch.arange(slots, device=dev)
+    keep_body = body_idx[None] < static.body_len[:, None]  # [B, cap]
+    keep_tail = (tail_idx < static.tail_n).expand(b, slots)  # [B, R + P]
+    keep_sink = torch.ones(b, n_sink, dtype=torch.bool, device=dev)
+    starts = current_row_starts()
+    if starts is not None:
+        first = starts.to(dev, torch.long)[:, None]
+        keep_sink = keep_sink & (torch.arange(n_sink, device=dev)[None] >= first)
+        keep_body = keep_body & (body_idx[None] + n_sink >= first)
+        keep_tail = keep_tail & (n_sink + static.body_len[:, None].long() + tail_idx[None] >= first)
+    launch = launch_for(body, h, b, dev)  # splits over the whole reservation (those past the length read nothing)
+    splits = launch.pop("num_splits")
+    out_b, lse_b = mla_decode_triton(q_latent, q_rope, body, scaling, splits, keep_body, lengths=static.body_len,
+                                     **launch)
+    exact = MlaLatent(
+        kv=torch.cat([layer.sink_k, static.tail_k], 2)[:, 0].to(q_latent.dtype),
+        k_rot=torch.cat([layer.sink_v, static.tail_v], 2)[:, 0].to(q_rope.dtype),
+        latent_dim=r,
+    )
+    launch = dict(launch_for(exact, h, b, dev), num_splits=1)
+    out_e, lse_e = mla_attend(q_latent, q_rope, exact, scaling, torch.cat([keep_sink, keep_tail], 1), "triton", launch)
+    return merge_partials(torch.cat([out_b, out_e], 2), torch.cat([lse_b, lse_e], 2))

@@ -200,8 +200,11 @@ def _absorbed_forward(attn: nn.Module, original: Callable) -> Callable:
         w_uk, w_uv = split_kv_b_proj(self.kv_b_proj.weight, self.num_heads, self.qk_nope_head_dim, self.v_head_dim)
         q_latent = absorb_query(q_nope, w_uk)
         kv_len = deferred.held_tokens if deferred is not None else kv_nope.shape[2]
-        # (a sparse layer reads the mask by position instead: kvcompress.sparse.step)
-        mask = additive_mask(attention_mask, b, s, kv_len, q.device, torch.float32) if sparse is None else None
+        # a sparse layer reads the mask by position instead (kvcompress.sparse.step); a layer in a decode
+        # graph masks itself from lengths on the device (kvcompress.kernels.mla_layer)
+        static = deferred is not None and getattr(deferred, "static", None) is not None
+        mask = None if sparse is not None or static else additive_mask(attention_mask, b, s, kv_len, q.device,
+                                                                       torch.float32)
         if sparse is not None:  # what the policy keeps and selects (the policy sees the attention)
             query = torch.cat([q_latent, q_rot.to(q_latent.dtype)], -1)  # the width of its page summaries
             begin_sparse_step(sparse, query, kv_nope, attention_mask, self.scaling, deferred is not None)
@@ -216,8 +219,8 @@ def _absorbed_forward(attn: nn.Module, original: Callable) -> Callable:
             finish_sparse_step(sparse, mass)
             o_latent = o_latent.to(q_latent.dtype)
         elif deferred is not None:  # the packed latent, read by the fused kernel where it lies
-            o = mla_layer_decode(deferred, q_latent[:, :, 0], q_rot[:, :, 0], self.scaling,
-                                 decode_allowed(mask, b, kv_len))
+            allowed = None if static else decode_allowed(mask, b, kv_len)
+            o = mla_layer_decode(deferred, q_latent[:, :, 0], q_rot[:, :, 0], self.scaling, allowed)
             o_latent = o.to(q_latent.dtype)[:, :, None]
         elif s == 1 and fused_active() and latent_dims_supported(kv_nope.shape[-1], k_rot.shape[-1]):
             # an exact latent (DynamicCache, lossless layers): the same kernel over it as it is
