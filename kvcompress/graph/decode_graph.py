@@ -13,8 +13,8 @@ the host, not the GPU, sets the pace (BENCHMARKS.md). A CUDA graph replays the w
     graph.release()                                                 # the cache grows normally again
 
 What it needs: the fused path (`kvcompress.enable(model)`, CUDA or KVCOMPRESS_KERNELS=triton), every cache
-layer compressed without a sparsity policy (the quantization presets), and `max_tokens` (prompt + new
-tokens): the packed body reserves room for it, so its buffers never move. A batch of prompts of different
+layer compressed without a sparsity policy (the quantization presets; for MLA models, a latent the fused MLA
+kernel reads: kvcompress.kernels.mla_layer), and `max_tokens` (prompt + new tokens): the packed body reserves room for it, so its buffers never move. A batch of prompts of different
 lengths, left-padded as `generate()` pads them, passes the prompt's 2-D `attention_mask` [B, T]: each row
 then attends from its first real token, and its positions count from there (as generate's do).
 The prefill must have used the same positions (`position_ids = attention_mask.cumsum(-1) - 1`).
