@@ -222,18 +222,22 @@ SWEEP = {
 }
 
 
+def random_step(b: int, t: int, seed: int):
+    """A random bf16 latent kv [B, 1, T, 512], k_rot [B, 1, T, 64] and absorbed queries ql [B, 128, 512],
+    qr [B, 128, 64] on the GPU, with the generator that drew them."""
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(seed)
+    draw = lambda *shape: torch.randn(*shape, device=dev, dtype=torch.bfloat16, generator=g)  # noqa: E731
+    return draw(b, 1, t, 512), draw(b, 1, t, 64), draw(b, 128, 512), draw(b, 128, 64), g
+
+
 def kernel_sweep(b: int, t: int, kinds=("dense", "plain", "outliers")) -> list[str]:
     """The kernel alone (no projections) at T x B, replayed from a CUDA graph, over the launches of SWEEP
     (split count: the library's, one wave of programs) for each latent kind: dense bf16, nuq4, nuq4 + 1 %
     outliers per token (tiles of 64 tokens, the presets' page)."""
     from kvcompress.kernels.mla_layer import LAUNCH
 
-    dev = torch.device("cuda")
-    g = torch.Generator(device=dev).manual_seed(1)
-    kv = torch.randn(b, 1, t, 512, device=dev, dtype=torch.bfloat16, generator=g)
-    kr = torch.randn(b, 1, t, 64, device=dev, dtype=torch.bfloat16, generator=g)
-    ql = torch.randn(b, 128, 512, device=dev, dtype=torch.bfloat16, generator=g)
-    qr = torch.randn(b, 128, 64, device=dev, dtype=torch.bfloat16, generator=g)
+    kv, kr, ql, qr, _ = random_step(b, t, seed=1)
     flops = 2 * b * 128 * t * (576 + 512)
     lines = [f"kernel alone, T={t} B={b}, graph replays (library defaults {LAUNCH}):",
              "| latent | launch | splits | ms | TFLOP/s | rel. err vs first launch |", "|---|---|---|---|---|---|"]
@@ -263,12 +267,8 @@ def kernel_sweep(b: int, t: int, kinds=("dense", "plain", "outliers")) -> list[s
 def quest_kernel(b: int, t: int, budget: int) -> list[str]:
     """The packed kernel alone at T x B over every page, and over a page list of budget / 64 pages (random,
     the first page always in), as Quest's selection makes the library read it; graph replays."""
-    dev = torch.device("cuda")
-    g = torch.Generator(device=dev).manual_seed(3)
-    kv = torch.randn(b, 1, t, 512, device=dev, dtype=torch.bfloat16, generator=g)
-    kr = torch.randn(b, 1, t, 64, device=dev, dtype=torch.bfloat16, generator=g)
-    ql = torch.randn(b, 128, 512, device=dev, dtype=torch.bfloat16, generator=g)
-    qr = torch.randn(b, 128, 64, device=dev, dtype=torch.bfloat16, generator=g)
+    kv, kr, ql, qr, g = random_step(b, t, seed=3)
+    dev = kv.device
     n = budget // PAGE
     pages = torch.stack([torch.cat([torch.zeros(1, device=dev, dtype=torch.int64),
                                     1 + torch.randperm(t // PAGE - 1, device=dev, generator=g)[: n - 1]]).sort().values

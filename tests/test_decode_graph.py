@@ -73,6 +73,18 @@ def prefilled(model, cfg, prompt):
     return cache
 
 
+def steps_match_growing(model, ref, graph, new, mask):
+    """Teacher-force new [B, n] through the growing cache `ref` (with generate's mask and positions, from the
+    prompt's mask [B, T]) and through `graph`: every step's logits agree."""
+    with torch.no_grad():
+        for i in range(new.shape[1]):
+            t = new[:, i : i + 1]
+            mask = torch.cat([mask, torch.ones(mask.shape[0], 1, dtype=torch.long)], 1)
+            step_pos = mask.sum(-1, keepdim=True) - 1
+            want = model(t, attention_mask=mask, position_ids=step_pos, **with_cache(ref)).logits[:, -1]
+            torch.testing.assert_close(graph.step(t), want, atol=ATOL, rtol=RTOL)
+
+
 @pytest.mark.parametrize("preset", ["nuq4", "int4", "fp8", "nuq3"])
 def test_fixed_address_steps_equal_the_growing_cache(model, preset):
     steps = 14
@@ -166,13 +178,7 @@ def test_left_padded_batch(model):
             model(prompt, attention_mask=mask, position_ids=pos, **with_cache(c))
         ref, cache = caches
         graph = DecodeGraph(model, cache, max_tokens=PROMPT + 10, use_graph=False, attention_mask=mask)
-        for i in range(10):
-            t = new[:, i : i + 1]
-            mask = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1)
-            step_pos = mask.sum(-1, keepdim=True) - 1
-            want = model(t, attention_mask=mask, position_ids=step_pos, **with_cache(ref)).logits[:, -1]
-            got = graph.step(t)
-            torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
+        steps_match_growing(model, ref, graph, new, mask)
     assert graph.statics is not None
     with pytest.raises(ConfigError, match="left padding"):
         holes = torch.ones(2, PROMPT, dtype=torch.long)
@@ -311,13 +317,7 @@ def test_mla_fixed_address_steps(padded):
             ref, cache = caches
             graph = DecodeGraph(mla, cache, max_tokens=PROMPT + steps, use_graph=False,
                                 attention_mask=mask if padded else None)
-            for i in range(steps):
-                t = new[:, i : i + 1]
-                mask = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1)
-                step_pos = mask.sum(-1, keepdim=True) - 1
-                want = mla(t, attention_mask=mask, position_ids=step_pos, **with_cache(ref)).logits[:, -1]
-                got = graph.step(t)
-                torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
+            steps_match_growing(mla, ref, graph, new[:, :steps], mask)
     finally:
         kvcompress.disable(mla)
     assert graph.statics is not None and graph.eager_static_steps > 30

@@ -312,6 +312,33 @@ def _graph_config(preset, model):
 
 
 @torch.no_grad()
+def _replay_against_eager(model, caches, mask, new):
+    """Three prefilled caches (growing, eager fixed-address, replayed) and the prompt's mask [B, T]: teacher-
+    force `new` [B, steps] through all three -> (graph, eager graph, worst |replayed - eager| and worst
+    |replayed - growing| over the logit scale, rows whose greedy token equals the growing cache's)."""
+    import kvcompress
+    from kvcompress.compat import with_cache
+
+    grow, eager, replayed = caches
+    b, steps, top = new.shape[0], new.shape[1], mask.shape[1] + new.shape[1]
+    eager_graph = kvcompress.DecodeGraph(model, eager, max_tokens=top, use_graph=False, attention_mask=mask)
+    graph = kvcompress.DecodeGraph(model, replayed, max_tokens=top, use_graph=True, attention_mask=mask)
+    worst_eager = worst_grow = 0.0
+    same = 0
+    for i in range(steps):
+        t = new[:, i:i + 1]
+        mask = torch.cat([mask, torch.ones(b, 1, dtype=torch.long, device=DEV)], 1)
+        pos = mask.sum(-1, keepdim=True) - 1
+        want = model(t, attention_mask=mask, position_ids=pos, **with_cache(grow)).logits[:, -1].float()
+        ref = eager_graph.step(t).float()
+        got = graph.step(t).float()
+        scale = want.abs().max().item()
+        worst_eager = max(worst_eager, (got - ref).abs().max().item() / scale)
+        worst_grow = max(worst_grow, (got - want).abs().max().item() / scale)
+        same += int((got.argmax(-1) == want.argmax(-1)).sum())
+    return graph, eager_graph, worst_eager, worst_grow, same
+
+
 @pytest.mark.parametrize("preset", ["nuq4", "int4", "fp8", "fp8-shift"])
 def test_decode_graph_replays_the_step(preset):
     """A 4-layer bf16 Llama (8 query / 2 kv heads, d 128), batch 3 with one row left-padded by 100 tokens,
@@ -338,28 +365,13 @@ def test_decode_graph_replays_the_step(preset):
     caches = [CompressedCache(model.config, _graph_config(preset, model)) for _ in range(3)]
     for c in caches:
         model(prompt, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp_min(0), **with_cache(c))
-    grow, eager, replayed = caches
-    eager_graph = kvcompress.DecodeGraph(model, eager, max_tokens=600 + steps, use_graph=False, attention_mask=mask)
-    graph = kvcompress.DecodeGraph(model, replayed, max_tokens=600 + steps, use_graph=True, attention_mask=mask)
-    worst_eager = worst_grow = 0.0
-    same = 0
-    for i in range(steps):
-        t = new[:, i:i + 1]
-        mask = torch.cat([mask, torch.ones(3, 1, dtype=torch.long, device=DEV)], 1)
-        pos = mask.sum(-1, keepdim=True) - 1
-        want = model(t, attention_mask=mask, position_ids=pos, **with_cache(grow)).logits[:, -1].float()
-        ref = eager_graph.step(t).float()
-        got = graph.step(t).float()
-        scale = want.abs().max().item()
-        worst_eager = max(worst_eager, (got - ref).abs().max().item() / scale)
-        worst_grow = max(worst_grow, (got - want).abs().max().item() / scale)
-        same += int((got.argmax(-1) == want.argmax(-1)).sum())
+    graph, eager_graph, worst_eager, worst_grow, same = _replay_against_eager(model, caches, mask, new)
     kvcompress.disable(model)
     assert graph.graph is not None and eager_graph.graph is None
     assert worst_eager <= 1e-2, worst_eager
     assert worst_grow <= 2e-2, worst_grow
     assert same >= 0.95 * 3 * steps, same
-    assert replayed.get_seq_length() == grow.get_seq_length() == 600 + steps
+    assert caches[2].get_seq_length() == caches[0].get_seq_length() == 600 + steps  # replayed, growing
 
 
 @torch.no_grad()
@@ -395,20 +407,7 @@ def test_decode_graph_replays_an_mla_step():
     caches = [CompressedCache(model.config, cfg) for _ in range(3)]
     for c in caches:
         model(prompt, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp_min(0), **with_cache(c))
-    grow, eager, replayed = caches
-    eager_graph = kvcompress.DecodeGraph(model, eager, max_tokens=600 + steps, use_graph=False, attention_mask=mask)
-    graph = kvcompress.DecodeGraph(model, replayed, max_tokens=600 + steps, use_graph=True, attention_mask=mask)
-    worst_eager = worst_grow = 0.0
-    for i in range(steps):
-        t = new[:, i:i + 1]
-        mask = torch.cat([mask, torch.ones(3, 1, dtype=torch.long, device=DEV)], 1)
-        pos = mask.sum(-1, keepdim=True) - 1
-        want = model(t, attention_mask=mask, position_ids=pos, **with_cache(grow)).logits[:, -1].float()
-        ref = eager_graph.step(t).float()
-        got = graph.step(t).float()
-        scale = want.abs().max().item()
-        worst_eager = max(worst_eager, (got - ref).abs().max().item() / scale)
-        worst_grow = max(worst_grow, (got - want).abs().max().item() / scale)
+    graph, eager_graph, worst_eager, worst_grow, _ = _replay_against_eager(model, caches, mask, new)
     kvcompress.disable(model)
     assert graph.graph is not None and eager_graph.graph is None
     assert worst_eager <= 1e-2, worst_eager
