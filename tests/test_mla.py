@@ -689,3 +689,19 @@ def test_sparse_presets_on_mla_build_on_the_mla_base():
     with torch.no_grad(), kvcompress.enabled(model, backend="torch"):
         model(torch.randint(3, 256, (1, 80)), **with_cache(cache))
     assert cache.layers[-1].sparse is not None and mla_fused_supported(cache.layers[-1])
+
+
+def test_absorbed_prefill_runs_in_query_blocks(monkeypatch):
+    """A long prefill's scores are computed a block of queries at a time (bounded memory), with the same
+    result and the mask sliced with its queries."""
+    import kvcompress.layout.mla_attention as mla_mod
+
+    g = torch.Generator().manual_seed(12)
+    b, h, s, t, r, dr = 2, 4, 37, 50, 32, 16
+    ql, qr = torch.randn(b, h, s, r, generator=g), torch.randn(b, h, s, dr, generator=g)
+    kv, kr = torch.randn(b, 1, t, r, generator=g), torch.randn(b, 1, t, dr, generator=g)
+    mask = mla_mod.additive_mask(torch.ones(b, t).index_fill_(1, torch.arange(5), 0), b, s, t, "cpu", torch.float32)
+    whole = mla_mod.absorbed_attention(ql, qr, kv, kr, 0.2, mask)
+    monkeypatch.setattr(mla_mod, "SCORE_ELEMENTS", b * h * t * 5)  # blocks of 5 queries
+    blocked = mla_mod.absorbed_attention(ql, qr, kv, kr, 0.2, mask)
+    assert torch.allclose(blocked, whole, atol=1e-6)

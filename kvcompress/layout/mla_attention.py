@@ -91,6 +91,9 @@ def additive_mask(attention_mask, batch: int, q_len: int, kv_len: int, device, d
     return m.to(dtype)
 
 
+SCORE_ELEMENTS = 1 << 27  # float32 scores held at once by `absorbed_attention` (512 MB; a few x that in temporaries)
+
+
 def absorbed_attention(
     q_latent: torch.Tensor,
     q_rope: torch.Tensor,
@@ -109,6 +112,14 @@ def absorbed_attention(
     t = kv_nope.shape[2]
     kv = kv_nope[:, 0].to(q_latent.dtype)  # [B, T, R]
     kr = k_rot[:, 0].to(q_rope.dtype)  # [B, T, Dr]
+    # a long prefill runs in blocks of queries, so the [B, H, block, T] scores stay bounded
+    block = max(1, SCORE_ELEMENTS // max(1, b * h * t))
+    if block < s:
+        return torch.cat([
+            absorbed_attention(q_latent[:, :, lo: lo + block], q_rope[:, :, lo: lo + block], kv_nope, k_rot, scaling,
+                               None if mask is None else mask[:, :, lo: lo + block] if mask.shape[2] > 1 else mask)
+            for lo in range(0, s, block)
+        ], dim=2)
     # heads and queries share one key: one GEMM per batch row, M = H * S
     scores = torch.bmm(q_latent.reshape(b, h * s, r), kv.transpose(1, 2))  # [B, H*S, T]
     scores = scores.baddbmm_(q_rope.reshape(b, h * s, -1), kr.transpose(1, 2))
