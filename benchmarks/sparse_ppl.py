@@ -120,6 +120,11 @@ CONFIGS["quest-25%-p4"] = config("quest-25%-p4", SparsitySpec("quest", ratio=0.2
 CONFIGS["quest-25-A-p4"] = layered("quest-25-A-p4", "quest", fixed(0.25, dense([6, 7])), page_size=4)
 CONFIGS["quest-25-C-p4"] = layered("quest-25-C-p4", "quest", fixed(0.25, {**dense([6, 7]), **{i: 0.5 for i in (2, 3, 14, 15)}}), page_size=4)
 CONFIGS["quest-25-U-p4"] = config("quest-25-U-p4", SparsitySpec("quest", ratio=0.25, page_size=4))  # no dense layer
+# budget sharing, every layer at 25 %: the layer's kv heads share its pages (S), and the layers share the step's (L)
+CONFIGS["quest-25-S-p4"] = config("quest-25-S-p4", SparsitySpec("quest", ratio=0.25, page_size=4, budget_sharing="heads"))
+CONFIGS["quest-25-S-p8"] = config("quest-25-S-p8", SparsitySpec("quest", ratio=0.25, page_size=8, budget_sharing="heads"))
+CONFIGS["quest-25-L-p4"] = config("quest-25-L-p4", SparsitySpec("quest", ratio=0.25, page_size=4, budget_sharing="layers"))
+CONFIGS["quest-25-L-p8"] = config("quest-25-L-p8", SparsitySpec("quest", ratio=0.25, page_size=8, budget_sharing="layers"))
 # per-layer sensitivity probes: only layers a, a+1 sparse (at 25%), every other layer dense
 for _a in range(0, layout.num_layers, 2):
     _r = [0.25 if i in (_a, _a + 1) else 1.0 for i in range(layout.num_layers)]

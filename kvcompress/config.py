@@ -27,6 +27,7 @@ QUANT_AXES = ("channel", "token", "page")
 CODEBOOKS = ("gaussian", "laplace", "student_t5")
 OUTLIER_SCOPES = ("page", "token")
 SPARSITY_METHODS = ("none", "streaming", "h2o", "snapkv", "quest")
+BUDGET_SHARING = ("none", "heads", "layers")  # SparsitySpec.budget_sharing (Quest)
 # Per-stream tensors a config may carry (key.<name> / value.<name>), and per-layer ones.
 # fp8_scale: calibrated static FP8 scales [H] of the stream as it is (no shift), kept for serving-engine
 # exports. shift: an FP8 stream's per-channel shift [H, D] (x = fp8 * scale + shift).
@@ -111,6 +112,9 @@ class SparsitySpec:
 
     budget: tokens kept (or read, for Quest) per kv head; ratio: the same as a share of the
     context, used when budget is 0. recent: the recent window always kept. page_size: Quest pages.
+    budget_sharing (Quest): "none": every kv head reads `budget` tokens; "heads": the layer's kv heads
+    share its pages (ranked across heads by their estimated attention mass); "layers": the same, and
+    the sparse layers also share one step's pages (each gets a share by the previous step's estimates).
     """
 
     method: str = "none"
@@ -122,12 +126,15 @@ class SparsitySpec:
     observation_window: int = 32
     pool_kernel: int = 7
     dense_layers: int = 0
+    budget_sharing: str = "none"
 
     def __post_init__(self):
         if self.method not in SPARSITY_METHODS:
             raise ConfigError(f"unknown sparsity method {self.method!r}; use one of {SPARSITY_METHODS}")
         if self.budget < 0 or not 0.0 <= self.ratio <= 1.0:
             raise ConfigError(f"sparsity budget must be >= 0 and ratio in [0, 1]; got {self.budget}, {self.ratio}")
+        if self.budget_sharing not in BUDGET_SHARING:
+            raise ConfigError(f"unknown budget_sharing {self.budget_sharing!r}; use one of {BUDGET_SHARING}")
         if self.method != "none" and self.budget == 0 and self.ratio == 0.0:
             raise ConfigError(f"sparsity method {self.method!r} needs a token budget or a ratio of the context")
 

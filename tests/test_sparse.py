@@ -5,6 +5,8 @@ What these tests prove:
 - H2O keeps the top tokens by accumulated attention (from eager attention weights) plus its recent window;
 - Quest's page bounds contain every key of their page; it reads the sinks' page, the newest page and
   the top pages by score, and the score lets a sharp query head of a GQA group get the page it needs;
+  with a shared budget the layer's heads read k pages each on average, ranked across heads (a
+  concentrated head leaves pages to a diffuse one), and a head's padding slots read nothing;
 - a padded batch of 3 gives, row by row, what each row gives alone;
 - H2O's memory stays bounded over hundreds of generated tokens, also over quantized pages, whose
   eviction gathers packed pages exactly;
@@ -23,7 +25,7 @@ from kvcompress import (
     CompressedCache, ConfigError, KVCompressConfig, LayerPolicy, ModelLayout, QuantSpec, SparsitySpec,
 )
 from kvcompress.compat import with_cache
-from kvcompress.sparse.quest import head_logits, page_bounds, page_scores
+from kvcompress.sparse.quest import head_logits, page_bounds, page_scores, shared_pages
 from kvcompress.sparse.state import StepInputs, bf16_outward
 
 
@@ -61,6 +63,8 @@ SPECS = {
     "streaming": lambda budget: SparsitySpec("streaming", budget=budget, sinks=4, page_size=8),
     "snapkv": lambda budget: SparsitySpec("snapkv", budget=budget, observation_window=8, pool_kernel=3),
     "quest": lambda budget: SparsitySpec("quest", budget=budget, page_size=8),
+    "quest-shared": lambda budget: SparsitySpec("quest", budget=budget, page_size=8, budget_sharing="heads"),
+    "quest-layers": lambda budget: SparsitySpec("quest", budget=budget, page_size=8, budget_sharing="layers"),
 }
 
 
@@ -174,6 +178,120 @@ def test_quest_reads_the_page_a_sharp_head_needs_next_to_a_flat_head():
     assert 5 in by_score.tolist()[0][0]
 
 
+def test_shared_budget_ranks_pages_across_heads():
+    """k = 3 pages per head, 2 heads: head 0's estimated mass sits on page 1, head 1's is spread out. The 6
+    pages go to the best estimates of either head (the sinks' pages, inf, always), at most
+    max_share * k = 6 to one head; padding slots (-1) come first; pages of score -inf are never read;
+    a total per row overrides k * H."""
+    inf = float("inf")
+    score = torch.tensor([[[inf, 0.9, 0.05, 0.03, 0.01, 0.02],
+                           [inf, 0.31, 0.32, 0.33, 0.34, 0.35]]])
+    pages, ranked = shared_pages(score, 3)
+    assert pages.tolist() == [[[-1, -1, -1, -1, 0, 1], [-1, -1, 0, 3, 4, 5]]]
+    assert ranked.shape == (1, 12) and bool((ranked[:, :-1] >= ranked[:, 1:]).all())
+    # at most one share (3 pages) per head: head 0 gets its third best page back from head 1
+    assert shared_pages(score, 3, max_share=1.0)[0].tolist() == [[[0, 1, 2], [0, 4, 5]]]
+    # two rows, 4 and 8 pages in all
+    two = torch.cat([score, score])
+    assert shared_pages(two, 3, total=torch.tensor([4, 8]))[0].tolist() == [
+        [[-1, -1, -1, -1, 0, 1], [-1, -1, -1, -1, 0, 5]], [[-1, -1, -1, -1, 0, 1], [0, 1, 2, 3, 4, 5]]]
+    score[0, 0, 2:] = -inf  # pages of padding
+    assert shared_pages(score, 3, max_share=1.0)[0].tolist() == [[[-1, 0, 1], [0, 4, 5]]]
+    assert shared_pages(score, 0)[0].shape == (1, 2, 0)
+
+
+def test_layer_allocator_splits_the_step_by_the_previous_estimates():
+    """Three layers of k * H = 4 pages: 12 pages a step in all. Before any record the split is even; then
+    each layer gets low * 4 = 2 pages and the other 6 go to the highest recorded estimates, at most
+    high * 4 = 8 to one layer."""
+    from kvcompress.sparse.quest import LayerAllocator
+
+    alloc = LayerAllocator([2, 3, 4], low=0.5, high=2.0)
+    assert alloc.pages(2, 4, 1) == 4  # nothing recorded yet
+    spread = torch.full((1, 8), 0.4)  # layer 2: flat estimates
+    sharp = torch.tensor([[2.0, 0.5, 0.01, 0.01, 0.0, 0.0, 0.0, 0.0]])  # layer 3: two pages hold it
+    alloc.record(2, spread)
+    alloc.record(3, sharp)
+    alloc.record(4, sharp * 0.5)
+    split = [int(alloc.pages(i, 4, 1)) for i in (2, 3, 4)]
+    assert split == [8, 2, 2] and sum(split) == 12
+    alloc.record(2, spread * 0.1)  # the next step: layer 3's third to fifth pages beat layer 2's
+    alloc.record(3, torch.tensor([[2.0, 0.5, 0.05, 0.05, 0.05, 0.0, 0.0, 0.0]]))
+    alloc.record(4, sharp * 0.5)
+    assert [int(alloc.pages(i, 4, 1)) for i in (2, 3, 4)] == [5, 5, 2]
+    alloc.reset()
+    assert alloc.pages(2, 4, 1) == 4
+
+
+def test_shared_budget_reads_the_selection_and_counts_it(model):
+    """Through the model: each decode step's index holds k whole pages per head on average plus the newest
+    page, -1 padding included; attention over it equals attention masked to the selected tokens, and
+    tokens_read counts only real slots."""
+    import copy
+
+    from kvcompress.sparse.attention import attend_torch
+
+    page, budget, t = 8, 29, 60
+    ids = torch.randint(3, 256, (1, t), generator=torch.Generator().manual_seed(11))
+    model = copy.deepcopy(model)
+    attn = model.model.layers[-1].self_attn
+    with torch.no_grad():  # kv head 0 of the last layer gets much wider logits than head 1
+        attn.k_proj.weight[: attn.head_dim] *= 30.0
+    spec = SparsitySpec("quest", budget=budget, page_size=page, budget_sharing="heads")
+    cache = CompressedCache(model.config, sparse_config(model, spec))
+    seen = {}
+    orig = attend_torch.__globals__["gather_step"]
+
+    def spy(step):
+        if step.index is not None and step.q_len == 1:
+            seen["step"] = StepInputs(keys=step.keys, values=step.values, q_len=1, mask=step.mask, index=step.index)
+        return orig(step)
+
+    attend_torch.__globals__["gather_step"] = spy
+    try:
+        with kvcompress.enabled(model):
+            model(ids[:, :-1], **with_cache(cache))
+            model(ids[:, -1:], **with_cache(cache))
+    finally:
+        attend_torch.__globals__["gather_step"] = orig
+    step, layer = seen["step"], cache.layers[-1]
+    held, newest = t, t % page or page
+    k = (budget - newest) // page
+    idx = step.index  # [B, H, n]
+    h = idx.shape[1]
+    real = idx >= 0
+    assert bool((idx[..., -newest:] == torch.arange(held - newest, held)).all())
+    assert int(real[..., :-newest].sum()) == k * page * h  # the layer reads k pages per head
+    assert bool((idx == 0).any(-1).all())  # every head reads the sinks' page
+    assert int(real[0, 0].sum()) != int(real[0, 1].sum())  # the heads read different numbers of pages
+    assert layer.sparse.tokens_read == k * page + newest
+    # padding slots read nothing: the same attention as a mask over the held tokens
+    query = torch.randn(1, model.config.num_attention_heads, 1, step.keys.shape[-1])
+    selected = torch.zeros(1, h, held, dtype=torch.bool).scatter(2, idx.clamp_min(0), real)
+    fake = lambda s: type("L", (), {"sparse": type("S", (), {"step": s})()})()
+    out, _ = attend_torch(query, fake(step), 0.125)
+    masked = StepInputs(keys=step.keys, values=step.values, q_len=1, mask=step.mask & selected[:, :, None])
+    ref, _ = attend_torch(query, fake(masked), 0.125)
+    torch.testing.assert_close(out, ref)
+
+
+def test_layers_sharing_the_budget_read_the_even_total_each_step(model):
+    """budget_sharing="layers": after the first decode step the layers read different numbers of pages, but
+    the step's mean over layers stays the even share: k pages per head plus the newest page."""
+    page, budget, prompt = 8, 29, 52
+    spec = SparsitySpec("quest", budget=budget, page_size=page, budget_sharing="layers")
+    cache = CompressedCache(model.config, sparse_config(model, spec))
+    splits = []
+    with kvcompress.enabled(model):
+        for i, _ in enumerate(decode_steps(model, cache, 12, prompt)):
+            held = prompt + i + 1
+            newest = held % page or page
+            k = (budget - newest) // page
+            assert cache.tokens_read_last_step() == pytest.approx(k * page + newest)
+            splits.append([layer.sparse.tokens_read for layer in cache.layers])
+    assert any(len(set(s)) > 1 for s in splits[1:])  # the split is not the even one
+
+
 @pytest.mark.parametrize("method", sorted(SPECS))
 def test_padded_batch_rows_match_rows_alone(model, method):
     lengths, steps = (40, 24, 32), 12  # padding of 0, 16, 8: whole Quest pages of 8
@@ -266,7 +384,7 @@ def test_sparse_config_without_enable_names_the_fix(model):
 
 
 @pytest.mark.parametrize("preset", ["streaming", "h2o-20", "snapkv-50", "quest-512", "nuq4+h2o-20",
-                                    "nuq4+quest-1024", "pyramid-h2o-20"])
+                                    "nuq4+quest-1024", "pyramid-h2o-20", "quest-25"])
 def test_presets_run_and_report_tokens_read(model, preset):
     cache = CompressedCache(model.config, preset)
     with kvcompress.enabled(model):
@@ -315,6 +433,19 @@ def test_bytes_read_per_step_follow_the_selection(model):
     assert read[24] < read[48]
 
 
+def test_quest_page_list_skips_padding_pages():
+    """The fused kernel's page list for a budget-sharing selection: padding pages (-1) list -1, which the
+    kernels skip, like the newest page when it is in the tail."""
+    from types import SimpleNamespace
+
+    from kvcompress.kernels.attention_backend import quest_page_list
+
+    layer = SimpleNamespace(key_store=SimpleNamespace(page_size=4, n_pages=5), held_tokens=22,
+                            sink_k=torch.zeros(1, 1, 0, 8))
+    index = torch.tensor([[[-1] * 4 + [0, 1, 2, 3] + [12, 13, 14, 15] + [20, 21]]])  # newest: 2 tokens in the tail
+    assert quest_page_list(layer, index).tolist() == [[[-1, 0, 3, -1]]]
+
+
 def test_nuq4_quest_preset_is_served_by_the_fused_kernel(model):
     """nuq4+quest-1024's Quest pages are its packed body pages (no separate sinks), which is what the fused
     decode kernel needs to read only the selected pages; the first two layers stay dense."""
@@ -328,3 +459,12 @@ def test_nuq4_quest_preset_is_served_by_the_fused_kernel(model):
     assert layer.key_store.n_pages == 2 and layer.sparse.policy.page_size == layer.key_store.page_size == 64
     assert fused_supported(layer)
     assert cache.layers[0].sparse is None and cache.layers[1].sparse is None
+
+
+def test_quest_25_preset_shares_the_step_across_layers():
+    """The quest-25 preset: every layer sparse at 25 % in pages of 4, all of them on one LayerAllocator."""
+    m = make_tiny_model("llama")
+    cache = CompressedCache(m.config, "quest-25")
+    policies = [layer.sparse.policy for layer in cache.layers]
+    assert all(p.budget_sharing == "layers" and p.page_size == 4 and p.ratio == 0.25 for p in policies)
+    assert policies[0].allocator is not None and all(p.allocator is policies[0].allocator for p in policies)

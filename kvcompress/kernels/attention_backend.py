@@ -206,7 +206,8 @@ def attend_fused(query: torch.Tensor, layer, scaling: float, deferred: bool = Fa
 def quest_page_list(layer, index: torch.Tensor) -> torch.Tensor:
     """Quest's held-token selection index [B, H, k*P + newest] -> body page list [B, H, k+1] (-1: not in the body).
 
-    Quest lists k whole pages (sorted) then the newest page, which is in the body when it is whole and
+    Quest lists k whole pages (sorted; under budget sharing a head that reads fewer starts with pages of
+    -1, which list -1) then the newest page, which is in the body when it is whole and
     the tail holds nothing; held tokens are positions (Quest evicts nothing) and its pages line up with
     the body's (checked by `fused_supported`).
     """

@@ -31,16 +31,20 @@ _PAIR_TABLES: dict = {}
 
 def pair_table(codebook: torch.Tensor, dtype: torch.dtype, device) -> torch.Tensor:
     """[256] int32: byte v -> level[v & 15] | level[v >> 4] << 16, each level as `dtype` (16-bit) bits.
-    Cached per codebook tensor, version, dtype and device (a captured decode step allocates nothing)."""
-    key = (codebook.data_ptr(), codebook._version, dtype, str(device))
-    table = _PAIR_TABLES.get(key)
-    if table is None:
+    Cached per codebook tensor, version, dtype and device (a captured decode step allocates nothing and
+    reads nothing back). The cache holds the codebook too, so its address is never reused by another."""
+    try:
+        version = codebook._version
+    except RuntimeError:  # an inference tensor keeps no version counter (nor can it change outside one)
+        version = -1
+    key = (codebook.data_ptr(), version, dtype, str(device))
+    entry = _PAIR_TABLES.get(key)
+    if entry is None:
         bits = codebook.to(device, dtype).view(torch.int16).to(torch.int64) & 0xFFFF  # [16]
         v = torch.arange(256, device=device)
         pair = bits[v & 15] | (bits[v >> 4] << 16)
-        table = torch.where(pair >= 2**31, pair - 2**32, pair).to(torch.int32)
-        _PAIR_TABLES[key] = table
-    return table
+        entry = _PAIR_TABLES[key] = (codebook, torch.where(pair >= 2**31, pair - 2**32, pair).to(torch.int32))
+    return entry[1]
 
 
 @triton.jit

@@ -43,9 +43,9 @@ def attend_torch(query: torch.Tensor, layer, scaling: float) -> tuple[torch.Tens
             mass = part if mass is None else mass + part
     out = torch.cat(outs, dim=3).reshape(b, hq, q, -1).to(query.dtype)
     if mass is not None and step.index is not None:
-        # report the mass against every held token (unread ones got none)
+        # report the mass against every held token (unread ones and padding slots, index -1, got none)
         full = mass.new_zeros(b, h, step.keys.shape[2])
-        mass = full.scatter(2, step.index, mass)
+        mass = full.scatter_add(2, step.index.clamp_min(0), mass)
     return out, mass
 
 

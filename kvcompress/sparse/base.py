@@ -55,6 +55,9 @@ class SparsePolicy:
         return self.budget if self.budget else max(1, math.ceil(self.ratio * seen))
 
     # -- hooks -----------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Forget what the policy learnt from a sequence (the cache was reset)."""
+
     def mass_queries(self, q_len: int) -> int:
         """How many of the newest queries' attention the policy needs summed per token (0: none)."""
         return 0

@@ -45,6 +45,6 @@ def attend_mla_torch(q_latent: torch.Tensor, q_rope: torch.Tensor, layer, scalin
             part = w[:, :, max(first_mass - lo, 0):].sum((1, 2))[:, None]  # [B, 1, n]
             mass = part if mass is None else mass + part
     out = torch.cat(outs, dim=2)
-    if mass is not None and step.index is not None:  # against every held token (unread ones got none)
-        mass = mass.new_zeros(b, 1, step.keys.shape[2]).scatter(2, step.index, mass)
+    if mass is not None and step.index is not None:  # against every held token (unread ones, -1 slots: none)
+        mass = mass.new_zeros(b, 1, step.keys.shape[2]).scatter_add(2, step.index.clamp_min(0), mass)
     return out, mass

@@ -10,6 +10,10 @@
 - nuq4+quest-1024: Quest over nuq4 storage, nuq4 and Quest pages of 64 tokens (a step reads every page
   summary, so larger pages read fewer bytes; see QUEST_NUQ_PAGE) and no separate sinks (Quest always
   reads the first page), so that Quest's pages are the body's pages and the fused kernel serves it.
+- quest-25: Quest reading 25% of the context per step in pages of 4, every layer sparse, the layers'
+  kv heads and the layers themselves sharing the step's pages by their estimated attention mass
+  (budget_sharing="layers"; SmolLM2-135M at 1024 tokens: +0.69% / +1.21% perplexity on eval.txt /
+  calib.txt, against +1.52% / +2.40% without sharing; BENCHMARKS.md).
 - pyramid-h2o-20: H2O with budgets decreasing linearly over depth (PyramidKV, arXiv:2406.02069),
   from 1.8x to 0.2x of 20% of the context, 20% on average.
 """
@@ -82,3 +86,4 @@ register_preset("nuq4+h2o-20", _sparse(h2o(0.2), base="nuq4", page_size=SPARSE_P
 register_preset("nuq4+quest-1024", _sparse(replace(quest(1024), page_size=QUEST_NUQ_PAGE), base="nuq4",
                                             page_size=QUEST_NUQ_PAGE, sinks=0))
 register_preset("pyramid-h2o-20", _pyramid_h2o(0.2))
+register_preset("quest-25", _sparse(SparsitySpec(method="quest", ratio=0.25, page_size=4, budget_sharing="layers")))

@@ -19,11 +19,20 @@ corner at once); shrinking it ranks pages closer to their true attention. SmolLM
 perplexity at 50% / 25% of the context: radius_scale 1 +1.05% / +4.4%, 0.5 +0.53% / +3.0%,
 0.25 +0.12% / +2.9%. Below 1 a page holding one outlying key can rank under its bound: 0.25
 keeps a quarter of the key range's width in the logit.
+
+Budget sharing (SparsitySpec.budget_sharing; the default "none" gives every kv head k pages). The
+estimated masses are comparable across heads, so "heads" lets a layer's kv heads share its k * H pages
+(`shared_pages`): a head whose attention the estimate finds on a few pages leaves the rest to a head
+whose attention is spread out (at most twice its share each). "layers" also splits each step's pages
+among the layers (`LayerAllocator`, by the previous step's estimates); every step reads the same
+total. SmolLM2-135M, pages of 4, every layer at 25% of the context, 1024 tokens (prefill 512, decode
+512), Δppl on eval.txt / calib.txt: none +1.52% / +2.40%, heads +1.01% / +1.42%, layers +0.69% /
++1.21% (benchmarks/sparse_ppl.py; BENCHMARKS.md has more windows).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,6 +40,7 @@ from kvcompress.config import ConfigError, SparsitySpec
 from kvcompress.sparse.base import SparsePolicy, top_indices
 
 RADIUS_SCALE = 0.25  # measured on SmolLM2-135M, see the module docstring
+MAX_HEAD_SHARE = 2.0  # budget sharing: one kv head reads at most twice its even share of the pages
 
 
 def head_bounds(query: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor) -> torch.Tensor:
@@ -69,9 +79,14 @@ def page_scores(
 
 @dataclass
 class QuestPolicy(SparsePolicy):
-    """radius_scale: how much of a page's key range counts in its logit (1.0: Quest's upper bound)."""
+    """radius_scale: how much of a page's key range counts in its logit (1.0: Quest's upper bound).
+    budget_sharing: "none" (k pages per kv head), "heads" (the layer's kv heads share k * H pages, see
+    `shared_pages`) or "layers" (the sparse layers also share the step's pages, see `LayerAllocator`,
+    which `attach_sparsity` sets as `allocator`)."""
 
     radius_scale: float = RADIUS_SCALE
+    budget_sharing: str = "none"
+    allocator: LayerAllocator | None = field(default=None, repr=False, compare=False)
     keeps_page_summaries = True
 
     def __post_init__(self):
@@ -79,12 +94,22 @@ class QuestPolicy(SparsePolicy):
         if not 0.0 <= self.radius_scale <= 1.0:
             raise ConfigError(f"Quest radius_scale must be in [0, 1], got {self.radius_scale}")
 
+    @property
+    def pads_selection(self) -> bool:
+        """Whether a head's selection may be padded with -1 (it reads fewer tokens than another head)."""
+        return self.budget_sharing != "none"
+
     @classmethod
     def from_spec(cls, spec: SparsitySpec) -> "QuestPolicy":
-        return cls(budget=spec.budget, ratio=spec.ratio, page_size=spec.page_size)
+        return cls(budget=spec.budget, ratio=spec.ratio, page_size=spec.page_size, budget_sharing=spec.budget_sharing)
+
+    def reset(self) -> None:
+        if self.allocator is not None:
+            self.allocator.reset()
 
     def select(self, state, query, mask):
-        """query: [B, Hq, 1, D]; mask: [B, H, 1, held] -> held indices [B, H, n] or None (read all)."""
+        """query: [B, Hq, 1, D]; mask: [B, H, 1, held] -> held indices [B, H, n] or None (read all);
+        under budget sharing a head that reads fewer pages than another is padded with -1 (read nothing)."""
         held, p = mask.shape[-1], self.page_size
         budget = self.token_budget(held)
         if query.shape[2] != 1 or held <= budget or state.page_min is None:
@@ -99,11 +124,101 @@ class QuestPolicy(SparsePolicy):
         score = page_scores(group, state.page_min[:, :, :n_cand], state.page_max[:, :, :n_cand], real,
                             state.step.scaling, self.radius_scale)
         score = score.masked_fill(first_true(real), float("inf"))  # the sinks' page
-        pages = top_indices(score, k)  # [B, H, k]
+        if self.budget_sharing == "none":
+            pages = top_indices(score, k)  # [B, H, k]
+        elif self.allocator is None:
+            pages, _ = shared_pages(score, k)
+        else:
+            total = self.allocator.pages(state.layer_idx, k * h, b)
+            pages, ranked = shared_pages(score, k, total=total)
+            self.allocator.record(state.layer_idx, ranked)
         arange = torch.arange(p, device=mask.device)
-        tokens = (pages[..., None] * p + arange).flatten(2)
+        tokens = torch.where(pages[..., None] < 0, -1, pages[..., None] * p + arange).flatten(2)
         last = torch.arange(held - newest, held, device=mask.device).expand(b, h, newest)
         return torch.cat([tokens, last], dim=-1)
+
+
+def shared_pages(
+    score: torch.Tensor, k: int, max_share: float = MAX_HEAD_SHARE, total: int | torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `total` (default k * H) pages of highest score over all H kv heads of score [B, H, P] (estimated
+    attention mass per page, comparable across heads), at most `max_share` * k for one head.
+
+    Returns the sorted page indices [B, H, min(P, max_share * k)], -1 first where a head takes fewer
+    (pages of score -inf are never taken), and the candidates' scores ranked over the heads [B, H * c]
+    (descending: what reading one more page would add; LayerAllocator's curve). total: an int or one
+    count per row [B].
+
+    A head whose attention the estimate finds concentrated on a few pages leaves the rest of its
+    share to a head whose attention is spread out.
+    """
+    b, h, n = score.shape
+    c = min(n, int(max_share * k))
+    if c == 0:
+        return score.new_zeros(b, h, 0, dtype=torch.long), score.new_zeros(b, 0)
+    total = k * h if total is None else total
+    top = score.topk(c, dim=-1)  # [B, H, c], each head's best c pages, in decreasing score
+    flat = top.values.reshape(b, h * c)
+    ranked, order = flat.sort(dim=-1, descending=True, stable=True)
+    rank = torch.empty_like(order).scatter_(1, order, torch.arange(h * c, device=score.device).expand(b, -1))
+    total = torch.as_tensor(total, device=score.device).reshape(-1, 1)  # [B | 1, 1]
+    taken = (rank < total).view(b, h, c) & (top.values > float("-inf"))
+    return torch.where(taken, top.indices, -1).sort(dim=-1).values, ranked
+
+
+class LayerAllocator:
+    """Splits each decode step's pages among the Quest layers that share their budget ("layers").
+
+    Every layer has k * H pages by the ratio; the step's total, (number of layers) * k * H, stays
+    exact. A layer's queries are only known when the layer runs, so the split uses the previous
+    step: each layer recorded its pages' estimated masses ranked over its heads (`shared_pages`),
+    and the first layer of the next step gives every layer `low` * k * H pages, then the rest of the
+    total to the highest estimated masses of any layer, at most `high` * k * H pages per layer. A layer
+    whose attention the estimates find spread out (SmolLM2-135M's first layer) gets more pages than
+    one whose attention sits on a few. Before any step was recorded, the split is even.
+    """
+
+    def __init__(self, layers: list[int], low: float = 0.5, high: float = 2.0):
+        if not 0.0 <= low <= 1.0 <= high:
+            raise ConfigError(f"LayerAllocator needs 0 <= low <= 1 <= high, got {low}, {high}")
+        self.layers = sorted(layers)
+        self.low, self.high = low, high
+        self.reset()
+
+    def reset(self) -> None:
+        self.curves: dict[int, torch.Tensor] = {}
+        self.split: torch.Tensor | None = None  # [B, layers] pages this step
+
+    def record(self, layer_idx: int, ranked: torch.Tensor) -> None:
+        """ranked: [B, n] a layer's candidate pages' estimated masses, descending."""
+        self.curves[layer_idx] = ranked
+
+    def pages(self, layer_idx: int, even: int, batch: int) -> torch.Tensor | int:
+        """Pages layer `layer_idx` reads this step: one count per row [B], or the even share `even` = k * H."""
+        if layer_idx == self.layers[0]:
+            self.split = self._split(even, batch)
+            self.curves = {}
+        if self.split is None:
+            return even
+        return self.split[:, self.layers.index(layer_idx)]
+
+    def _split(self, even: int, b: int) -> torch.Tensor | None:
+        if len(self.curves) != len(self.layers) or even == 0:
+            return None
+        curves = [self.curves[i] for i in self.layers]
+        if any(c.shape[0] != b for c in curves):
+            return None
+        lo, hi = int(self.low * even), int(self.high * even)
+        n = len(curves)
+        # each layer's pages beyond `lo` (up to `hi`), padded with -inf where it had fewer candidates
+        pool = torch.full((b, n, hi - lo), float("-inf"), device=curves[0].device)
+        for j, c in enumerate(curves):
+            part = c[:, lo:hi]
+            pool[:, j, : part.shape[1]] = part
+        extra = n * (even - lo)
+        chosen = pool.reshape(b, -1).topk(extra, dim=-1).indices // (hi - lo)  # [B, extra] layer of each page
+        return torch.full((b, n), lo, device=pool.device, dtype=torch.long).scatter_add_(
+            1, chosen, torch.ones_like(chosen))
 
 
 def first_true(x: torch.Tensor) -> torch.Tensor:

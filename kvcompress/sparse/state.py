@@ -18,7 +18,7 @@ memory and half the bandwidth of float32 summaries; every decode step reads all 
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -39,7 +39,7 @@ class StepInputs:
     values: torch.Tensor
     q_len: int
     mask: torch.Tensor | None = None
-    index: torch.Tensor | None = None  # [B, H, n] held tokens read (Quest), None = all
+    index: torch.Tensor | None = None  # [B, H, n] held tokens read (Quest; -1: a slot reading nothing), None = all
     mass_queries: int = 0  # newest queries whose attention is summed per token (0: no mass)
     scaling: float = 1.0  # the attention's logit scale (Quest scores pages on that scale)
 
@@ -57,11 +57,21 @@ class SparseState:
         self.page_max: torch.Tensor | None = None
         self.pending_keys: torch.Tensor | None = None
         self.step: StepInputs | None = None
-        self.tokens_read = 0
+        self.read_held = 0  # tokens held at the last step
         # the last step's selection [B, H, n] (None: everything) and the packed body's (first, count) then;
         # counted only when asked (bytes_read_last_step), so the decode step never waits on the device
         self.read_index: torch.Tensor | None = None
         self.read_body: tuple[int, int] = (0, 0)
+        self.policy.reset()
+
+    @property
+    def tokens_read(self) -> float:
+        """Tokens per (row, kv head) the last step read, on average (0 before any step)."""
+        if self.read_index is None:
+            return self.read_held
+        if getattr(self.policy, "pads_selection", False):
+            return float((self.read_index >= 0).sum(-1).float().mean())
+        return self.read_index.shape[-1]
 
     # -- the hand-off --------------------------------------------------------------------------
     def on_update(self, layer, new_keys: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -152,27 +162,41 @@ def clear_pending() -> None:
 def attach_sparsity(cache) -> None:
     """Give each CompressedLayer whose policy has sparsity (past its `dense_layers`) a SparseState."""
     from kvcompress.sparse import make_policy
+    from kvcompress.sparse.quest import LayerAllocator
 
+    shared = []
     for layer in cache.layers:
         spec = getattr(getattr(layer, "policy", None), "sparsity", None)
         if spec is None:
             continue
         policy = make_policy(spec, layer.layer_idx)
         layer.sparse = SparseState(policy, layer.layer_idx) if policy is not None else None
+        if policy is not None and getattr(policy, "budget_sharing", "none") == "layers":
+            shared.append((layer.layer_idx, spec))
+    if shared:  # the Quest layers sharing the step's pages: one allocator, the same budget in each
+        first = replace(shared[0][1], dense_layers=0)
+        if any(replace(spec, dense_layers=0) != first for _, spec in shared):
+            raise ConfigError("Quest layers with budget_sharing='layers' must share one budget, ratio and page size")
+        allocator = LayerAllocator([i for i, _ in shared])
+        for layer in cache.layers:
+            if getattr(layer, "sparse", None) is not None and layer.layer_idx in allocator.layers:
+                layer.sparse.policy.allocator = allocator
 
 
 def gather_step(step: StepInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The K [B, H, n, Dk], V [B, H, n, Dv] and mask [B, H, q, n] this step reads."""
+    """The K [B, H, n, Dk], V [B, H, n, Dv] and mask [B, H, q, n] this step reads (padding slots masked)."""
     if step.index is None:
         return step.keys, step.values, step.mask
-    idx = step.index
-    mask = step.mask.gather(3, idx[:, :, None, :].expand(-1, -1, step.mask.shape[2], -1))
+    read = step.index >= 0  # [B, H, n]; -1 pads a head that reads fewer tokens than another
+    idx = step.index.clamp_min(0)
+    mask = step.mask.gather(3, idx[:, :, None, :].expand(-1, -1, step.mask.shape[2], -1)) & read[:, :, None]
     return gather_tokens(step.keys, idx), gather_tokens(step.values, idx), mask
 
 
 def body_tokens_read(state) -> float | None:
     """Tokens of the layer's body (packed pages; all it holds when uncompressed) that the last step's
-    selection read, per (row, kv head) on average; None when the step read everything."""
+    selection read, per (row, kv head) on average (padding slots, -1, read nothing); None when the step
+    read everything."""
     if state.read_index is None:
         return None
     first, n_body = state.read_body

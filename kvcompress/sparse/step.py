@@ -36,8 +36,7 @@ def finish_sparse_step(layer, mass) -> None:
     mass: [B, H, held] attention summed per held token (None when the policy asked for none)."""
     state, step = layer.sparse, layer.sparse.step
     held = step.mask.shape[-1]
-    state.tokens_read = step.index.shape[-1] if step.index is not None else held
-    state.read_index = step.index
+    state.read_held, state.read_index = held, step.index
     state.read_body = (layer.sink_k.shape[2], layer.key_store.n_tokens) if layer.compressed else (0, held)
     state.policy.after_attention(layer, state, mass, step.mask[:, :, -1, :])
     state.step = None  # drop this step's dense K/V
