@@ -230,6 +230,46 @@ def test_mla_fused_decode_in_a_model():
     assert rel_err(runs["triton"].float(), runs["torch"].float()) < 3e-2  # bf16 model: both paths round to bf16
 
 
+@pytest.mark.parametrize("preset", ["quest-25", "nuq4+quest-1024"])
+def test_quest_budget_sharing_on_the_gpu(preset):
+    """Quest with the step's pages shared across heads and layers (budget_sharing="layers") on a bf16 Llama on
+    the GPU: over nuq4 the fused kernel reads page lists with -1 slots (a head reading fewer pages); the
+    decode steps match the torch backend's and read about the budget."""
+    from dataclasses import replace
+
+    import kvcompress
+    from conftest import make_tiny_model
+
+    from kvcompress import KVCompressConfig
+    from kvcompress.compat import with_cache
+
+    model = make_tiny_model("llama", hidden_size=512, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+                            num_hidden_layers=4, intermediate_size=512).to(DEV, LOW)
+    cfg = KVCompressConfig.from_preset(preset, model.config)
+    # residual 0: the exact tail is then Quest's newest page, which both paths read whole (with a residual
+    # window the fused path reads the whole tail, the torch path only its selected pages of it)
+    layers = [replace(p, residual=0, sparsity=replace(p.sparsity, budget_sharing="layers", dense_layers=0, budget=128))
+              if preset != "quest-25" else p for p in cfg.layers]
+    cfg = KVCompressConfig(layout=cfg.layout, layers=layers, name=preset + "-shared")
+    ids = torch.randint(3, 256, (2, 520), generator=torch.Generator().manual_seed(10)).to(DEV)
+    runs, read = {}, {}
+    for backend in ("torch", "triton"):
+        os.environ["KVCOMPRESS_KERNELS"] = backend
+        kvcompress.enable(model)
+        try:
+            with torch.no_grad():
+                cache = kvcompress.CompressedCache(model.config, cfg)
+                steps = [model(ids[:, :500], **with_cache(cache)).logits[:, -1]]
+                for i in range(500, 520):
+                    steps.append(model(ids[:, i:i + 1], **with_cache(cache)).logits[:, -1])
+                runs[backend], read[backend] = torch.stack(steps), cache.tokens_read_last_step()
+        finally:
+            kvcompress.disable(model)
+            del os.environ["KVCOMPRESS_KERNELS"]
+    assert rel_err(runs["triton"].float(), runs["torch"].float()) < 3e-2
+    assert read["triton"] < 0.5 * 520
+
+
 @pytest.mark.parametrize("method", ["quest", "h2o"])
 def test_sparse_mla_on_the_gpu(method):
     """A tiny DeepSeek-V3 in bf16 on the GPU under kvcompress.enable with Quest / H2O over the nuq4 latent
