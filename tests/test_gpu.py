@@ -199,34 +199,44 @@ def test_mla_kernel_masked_bf16(block_h, num_warps):
     assert rel_err(got, want) < 1e-2
 
 
+def _on_both_backends(model, cfg, ids, prefill: int, mask=None):
+    """Prefill ids[:, :prefill] into a fresh CompressedCache(cfg) under kvcompress.enable, then teacher-force
+    the rest one token at a time, on the torch and on the Triton backend -> ({backend: logits of every step
+    [steps + 1, B, V]}, {backend: tokens read by the last step})."""
+    import kvcompress
+    from kvcompress.compat import with_cache
+
+    def masked(n):
+        return {} if mask is None else {"attention_mask": mask[:, :n]}
+
+    runs, read = {}, {}
+    for backend in ("torch", "triton"):
+        os.environ["KVCOMPRESS_KERNELS"] = backend
+        kvcompress.enable(model)
+        try:
+            with torch.no_grad():
+                cache = kvcompress.CompressedCache(model.config, cfg)
+                steps = [model(ids[:, :prefill], **masked(prefill), **with_cache(cache)).logits[:, -1]]
+                for i in range(prefill, ids.shape[1]):
+                    steps.append(model(ids[:, i:i + 1], **masked(i + 1), **with_cache(cache)).logits[:, -1])
+                runs[backend], read[backend] = torch.stack(steps), cache.tokens_read_last_step()
+        finally:
+            kvcompress.disable(model)
+            del os.environ["KVCOMPRESS_KERNELS"]
+    return runs, read
+
+
 def test_mla_fused_decode_in_a_model():
     """A tiny DeepSeek-V3 in bf16 on the GPU under kvcompress.enable, nuq4 cache, a left-padded batch:
     decode logits of the fused path (kernel over the packed body) match the torch backend's."""
-    import kvcompress
     from conftest import make_tiny_model
     from test_mla import MLA_DIMS
-
-    from kvcompress.compat import with_cache
 
     model = make_tiny_model("deepseek_v3", **MLA_DIMS).to(DEV, LOW)
     ids = torch.randint(3, 256, (2, 208), generator=torch.Generator().manual_seed(8)).to(DEV)
     mask = torch.ones_like(ids)
     mask[0, :70] = 0
-    runs = {}
-    for backend in ("torch", "triton"):
-        os.environ["KVCOMPRESS_KERNELS"] = backend
-        kvcompress.enable(model)
-        try:
-            with torch.no_grad():  # prefill 200 tokens, then 8 teacher-forced decode steps
-                cache = kvcompress.CompressedCache(model.config, "nuq4")
-                steps = [model(ids[:, :200], attention_mask=mask[:, :200], **with_cache(cache)).logits[:, -1]]
-                for i in range(200, 208):
-                    out = model(ids[:, i:i + 1], attention_mask=mask[:, :i + 1], **with_cache(cache))
-                    steps.append(out.logits[:, -1])
-                runs[backend] = torch.stack(steps)
-        finally:
-            kvcompress.disable(model)
-            del os.environ["KVCOMPRESS_KERNELS"]
+    runs, _ = _on_both_backends(model, "nuq4", ids, 200, mask)  # prefill 200 tokens, then 8 decode steps
     assert rel_err(runs["triton"].float(), runs["torch"].float()) < 3e-2  # bf16 model: both paths round to bf16
 
 
@@ -237,11 +247,9 @@ def test_quest_budget_sharing_on_the_gpu(preset):
     decode steps match the torch backend's and read about the budget."""
     from dataclasses import replace
 
-    import kvcompress
     from conftest import make_tiny_model
 
     from kvcompress import KVCompressConfig
-    from kvcompress.compat import with_cache
 
     model = make_tiny_model("llama", hidden_size=512, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
                             num_hidden_layers=4, intermediate_size=512).to(DEV, LOW)
@@ -252,20 +260,7 @@ def test_quest_budget_sharing_on_the_gpu(preset):
               if preset != "quest-25" else p for p in cfg.layers]
     cfg = KVCompressConfig(layout=cfg.layout, layers=layers, name=preset + "-shared")
     ids = torch.randint(3, 256, (2, 520), generator=torch.Generator().manual_seed(10)).to(DEV)
-    runs, read = {}, {}
-    for backend in ("torch", "triton"):
-        os.environ["KVCOMPRESS_KERNELS"] = backend
-        kvcompress.enable(model)
-        try:
-            with torch.no_grad():
-                cache = kvcompress.CompressedCache(model.config, cfg)
-                steps = [model(ids[:, :500], **with_cache(cache)).logits[:, -1]]
-                for i in range(500, 520):
-                    steps.append(model(ids[:, i:i + 1], **with_cache(cache)).logits[:, -1])
-                runs[backend], read[backend] = torch.stack(steps), cache.tokens_read_last_step()
-        finally:
-            kvcompress.disable(model)
-            del os.environ["KVCOMPRESS_KERNELS"]
+    runs, read = _on_both_backends(model, cfg, ids, 500)
     assert rel_err(runs["triton"].float(), runs["torch"].float()) < 3e-2
     assert read["triton"] < 0.5 * 520
 
@@ -276,12 +271,10 @@ def test_sparse_mla_on_the_gpu(method):
     (Quest scores its 48-wide MLA keys with the torch logits and the Triton mass kernel, and its decode
     steps run the fused kernel over the selected body pages; H2O attends in torch): the decode steps match
     the torch backend's, and read (Quest) or hold (H2O) fewer tokens than the context."""
-    import kvcompress
     from conftest import make_tiny_model
     from test_mla import MLA_DIMS, _sparse_config
 
     from kvcompress import SparsitySpec
-    from kvcompress.compat import with_cache
 
     model = make_tiny_model("deepseek_v3", **MLA_DIMS).to(DEV, LOW)
     ids = torch.randint(3, 256, (2, 208), generator=torch.Generator().manual_seed(9)).to(DEV)
@@ -289,21 +282,7 @@ def test_sparse_mla_on_the_gpu(method):
     cfg = _sparse_config(model, spec, "nuq4")
     for p in cfg.layers:
         p.sinks = 0  # Quest's pages are then the body's, which the fused kernel reads by a page list
-    runs, used = {}, {}
-    for backend in ("torch", "triton"):
-        os.environ["KVCOMPRESS_KERNELS"] = backend
-        kvcompress.enable(model)
-        try:
-            with torch.no_grad():
-                cache = kvcompress.CompressedCache(model.config, cfg)
-                steps = [model(ids[:, :200], **with_cache(cache)).logits[:, -1]]
-                for i in range(200, 208):
-                    steps.append(model(ids[:, i:i + 1], **with_cache(cache)).logits[:, -1])
-                runs[backend] = torch.stack(steps)
-                used[backend] = cache.tokens_read_last_step()
-        finally:
-            kvcompress.disable(model)
-            del os.environ["KVCOMPRESS_KERNELS"]
+    runs, used = _on_both_backends(model, cfg, ids, 200)
     assert torch.isfinite(runs["triton"]).all()
     assert rel_err(runs["triton"].float(), runs["torch"].float()) < 3e-2
     assert used["triton"] < 208
