@@ -331,15 +331,25 @@ def _graph_config(preset, model):
 
 
 @torch.no_grad()
-def _replay_against_eager(model, caches, mask, new):
-    """Three prefilled caches (growing, eager fixed-address, replayed) and the prompt's mask [B, T]: teacher-
-    force `new` [B, steps] through all three -> (graph, eager graph, worst |replayed - eager| and worst
-    |replayed - growing| over the logit scale, rows whose greedy token equals the growing cache's)."""
+def _replay_against_eager(model, cfg, seed: int, steps: int = 72):
+    """Three caches (growing, eager fixed-address, replayed) of `cfg` prefilled with the same 600-token prompt,
+    batch 3 with row 2 left-padded by 100 tokens; teacher-force `steps` tokens through all three -> (graph,
+    eager graph, worst |replayed - eager| and worst |replayed - growing| over the logit scale, rows whose
+    greedy token equals the growing cache's, the caches)."""
     import kvcompress
+    from kvcompress.cache import CompressedCache
     from kvcompress.compat import with_cache
 
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(3, 512, (3, 600), generator=g).to(DEV)
+    new = torch.randint(3, 512, (3, steps), generator=g).to(DEV)
+    mask = torch.ones(3, 600, dtype=torch.long, device=DEV)
+    mask[2, :100] = 0
+    caches = [CompressedCache(model.config, cfg) for _ in range(3)]
+    for c in caches:
+        model(prompt, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp_min(0), **with_cache(c))
     grow, eager, replayed = caches
-    b, steps, top = new.shape[0], new.shape[1], mask.shape[1] + new.shape[1]
+    b, top = new.shape[0], mask.shape[1] + steps
     eager_graph = kvcompress.DecodeGraph(model, eager, max_tokens=top, use_graph=False, attention_mask=mask)
     graph = kvcompress.DecodeGraph(model, replayed, max_tokens=top, use_graph=True, attention_mask=mask)
     worst_eager = worst_grow = 0.0
@@ -355,7 +365,7 @@ def _replay_against_eager(model, caches, mask, new):
         worst_eager = max(worst_eager, (got - ref).abs().max().item() / scale)
         worst_grow = max(worst_grow, (got - want).abs().max().item() / scale)
         same += int((got.argmax(-1) == want.argmax(-1)).sum())
-    return graph, eager_graph, worst_eager, worst_grow, same
+    return graph, eager_graph, worst_eager, worst_grow, same, caches
 
 
 @pytest.mark.parametrize("preset", ["nuq4", "int4", "fp8", "fp8-shift"])
@@ -366,8 +376,6 @@ def test_decode_graph_replays_the_step(preset):
     rounding of the logits (2 % of their scale), with the same greedy token in at least 95 % of the rows."""
     import kvcompress
     from conftest import make_tiny_model
-    from kvcompress.cache import CompressedCache
-    from kvcompress.compat import with_cache
 
     if DEV != "cuda":
         pytest.skip("CUDA graphs need a GPU")
@@ -375,16 +383,9 @@ def test_decode_graph_replays_the_step(preset):
                             num_hidden_layers=4, intermediate_size=1024, vocab_size=512,
                             max_position_embeddings=2048).to(DEV, torch.bfloat16)
     kvcompress.enable(model)
-    g = torch.Generator().manual_seed(51)
-    prompt = torch.randint(3, 512, (3, 600), generator=g).to(DEV)
     steps = 72
-    new = torch.randint(3, 512, (3, steps), generator=g).to(DEV)
-    mask = torch.ones(3, 600, dtype=torch.long, device=DEV)
-    mask[2, :100] = 0
-    caches = [CompressedCache(model.config, _graph_config(preset, model)) for _ in range(3)]
-    for c in caches:
-        model(prompt, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp_min(0), **with_cache(c))
-    graph, eager_graph, worst_eager, worst_grow, same = _replay_against_eager(model, caches, mask, new)
+    graph, eager_graph, worst_eager, worst_grow, same, caches = _replay_against_eager(
+        model, _graph_config(preset, model), seed=51, steps=steps)
     kvcompress.disable(model)
     assert graph.graph is not None and eager_graph.graph is None
     assert worst_eager <= 1e-2, worst_eager
@@ -404,8 +405,6 @@ def test_decode_graph_replays_an_mla_step():
     import kvcompress
     from conftest import make_tiny_model
     from kvcompress import KVCompressConfig
-    from kvcompress.cache import CompressedCache
-    from kvcompress.compat import with_cache
 
     if DEV != "cuda":
         pytest.skip("CUDA graphs need a GPU")
@@ -417,16 +416,7 @@ def test_decode_graph_replays_an_mla_step():
     cfg = KVCompressConfig.from_preset("nuq4", model.config)
     cfg = KVCompressConfig(layout=cfg.layout, layers=[replace(p, residual=2) for p in cfg.layers], name="nuq4-r2")
     kvcompress.enable(model)
-    g = torch.Generator().manual_seed(53)
-    prompt = torch.randint(3, 512, (3, 600), generator=g).to(DEV)
-    steps = 72
-    new = torch.randint(3, 512, (3, steps), generator=g).to(DEV)
-    mask = torch.ones(3, 600, dtype=torch.long, device=DEV)
-    mask[2, :100] = 0
-    caches = [CompressedCache(model.config, cfg) for _ in range(3)]
-    for c in caches:
-        model(prompt, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp_min(0), **with_cache(c))
-    graph, eager_graph, worst_eager, worst_grow, _ = _replay_against_eager(model, caches, mask, new)
+    graph, eager_graph, worst_eager, worst_grow, _, _ = _replay_against_eager(model, cfg, seed=53)
     kvcompress.disable(model)
     assert graph.graph is not None and eager_graph.graph is None
     assert worst_eager <= 1e-2, worst_eager
