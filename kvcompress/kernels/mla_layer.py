@@ -14,6 +14,8 @@ mask the attention receives into the [B, T] keep-mask the kernels read (any padd
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from kvcompress.kernels.mla_decode import (
@@ -88,7 +90,9 @@ LAUNCH = {
 }
 
 
+@functools.lru_cache(maxsize=None)
 def _sm_count(device: torch.device) -> int:
+    """Multiprocessors of `device` (asked once per device: `launch_for` runs at every decode step)."""
     if device.type != "cuda":
         return 132
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -143,22 +147,27 @@ def mla_layer_decode(
         out, lse = mla_attend(q_latent, q_rope, body, scaling, keep, backend, pages=pages)
         outs.append(out)
         lses.append(lse)
-    exact = MlaLatent(
-        kv=torch.cat([layer.sink_k, layer.tail_k], 2)[:, 0].to(q_latent.dtype),
-        k_rot=torch.cat([layer.sink_v, layer.tail_v], 2)[:, 0].to(q_rope.dtype),
-        latent_dim=q_latent.shape[-1],
-    )
     keep = None
     if allowed is not None:
         keep = torch.cat([allowed[:, :n_sink], allowed[:, n_sink + n_body:]], 1)
-    if backend == "triton":  # a few dozen tokens: one program per head block, no split
-        launch = dict(launch_for(exact, q_latent.shape[1], q_latent.shape[0], q_latent.device), num_splits=1)
-        out, lse = mla_attend(q_latent, q_rope, exact, scaling, keep, backend, launch)
-    else:
-        out, lse = mla_decode_torch(q_latent, q_rope, exact, scaling, 1, keep)
+    out, lse = _attend_exact(layer, layer.tail_k, layer.tail_v, q_latent, q_rope, scaling, keep, backend)
     outs.append(out)
     lses.append(lse)
     return merge_partials(torch.cat(outs, 2), torch.cat(lses, 2))
+
+
+def _attend_exact(layer, tail_k, tail_v, q_latent, q_rope, scaling: float, keep, backend: str):
+    """The exact sinks and tail [B, 1, n, R] / [B, 1, n, Dr]: a few dozen tokens, one program per head block
+    and no split on the Triton backend, the twin on torch -> partial output [B, H, 1, R], lse [B, H, 1]."""
+    exact = MlaLatent(
+        kv=torch.cat([layer.sink_k, tail_k], 2)[:, 0].to(q_latent.dtype),
+        k_rot=torch.cat([layer.sink_v, tail_v], 2)[:, 0].to(q_rope.dtype),
+        latent_dim=q_latent.shape[-1],
+    )
+    if backend != "triton":
+        return mla_decode_torch(q_latent, q_rope, exact, scaling, 1, keep)
+    launch = dict(launch_for(exact, q_latent.shape[1], q_latent.shape[0], q_latent.device), num_splits=1)
+    return mla_attend(q_latent, q_rope, exact, scaling, keep, backend, launch)
 
 
 def _static_decode(layer, static, q_latent, q_rope, scaling: float) -> torch.Tensor:
@@ -168,7 +177,7 @@ def _static_decode(layer, static, q_latent, q_rope, scaling: float) -> torch.Ten
     also carry the left padding (the row starts the decode graph read once)."""
     from kvcompress.kernels.attention_backend import current_row_starts
 
-    b, h, r = q_latent.shape
+    b, h, _ = q_latent.shape
     dev, n_sink = q_latent.device, layer.sink_k.shape[2]
     body = MlaLatent.from_stores(layer.key_store, layer.value_store, q_latent.dtype, reserved=True)
     cap, slots = body.num_tokens, static.tail_k.shape[2]
@@ -186,11 +195,6 @@ def _static_decode(layer, static, q_latent, q_rope, scaling: float) -> torch.Ten
     splits = launch.pop("num_splits")
     out_b, lse_b = mla_decode_triton(q_latent, q_rope, body, scaling, splits, keep_body, lengths=static.body_len,
                                      **launch)
-    exact = MlaLatent(
-        kv=torch.cat([layer.sink_k, static.tail_k], 2)[:, 0].to(q_latent.dtype),
-        k_rot=torch.cat([layer.sink_v, static.tail_v], 2)[:, 0].to(q_rope.dtype),
-        latent_dim=r,
-    )
-    launch = dict(launch_for(exact, h, b, dev), num_splits=1)
-    out_e, lse_e = mla_attend(q_latent, q_rope, exact, scaling, torch.cat([keep_sink, keep_tail], 1), "triton", launch)
+    out_e, lse_e = _attend_exact(layer, static.tail_k, static.tail_v, q_latent, q_rope, scaling,
+                                 torch.cat([keep_sink, keep_tail], 1), "triton")
     return merge_partials(torch.cat([out_b, out_e], 2), torch.cat([lse_b, lse_e], 2))

@@ -35,7 +35,7 @@ from torch import nn
 from kvcompress.kernels.attention_backend import fused_active, quest_page_list, take_deferred
 from kvcompress.kernels.mla_decode import MlaLatent, merge_partials
 from kvcompress.kernels.mla_layer import decode_allowed, latent_dims_supported, mla_attend, mla_layer_decode
-from kvcompress.sparse.mla import attend_mla_torch
+from kvcompress.sparse.mla import SCORE_ELEMENTS, attend_mla_torch
 from kvcompress.sparse.state import take_pending
 from kvcompress.sparse.step import begin_sparse_step, finish_sparse_step
 
@@ -89,9 +89,6 @@ def additive_mask(attention_mask, batch: int, q_len: int, kv_len: int, device, d
     if m.dtype == torch.bool:
         return torch.zeros((), device=device, dtype=dtype).masked_fill(~m, neg)
     return m.to(dtype)
-
-
-SCORE_ELEMENTS = 1 << 27  # float32 scores held at once by `absorbed_attention` (512 MB; a few x that in temporaries)
 
 
 def absorbed_attention(

@@ -15,9 +15,9 @@ import torch
 
 from kvcompress.sparse.state import gather_step
 
-# scores held at once: [B, H, queries, held] float32 elements per query block (256 MB); a prefill at
-# 128 heads over a long prompt runs in blocks of a few queries
-BLOCK_ELEMENTS = 1 << 26
+# float32 scores [B, H, queries, held] held at once by MLA attention in torch (256 MB; here and in
+# kvcompress.layout.mla_attention.absorbed_attention): a long prefill at 128 heads runs in blocks of queries
+SCORE_ELEMENTS = 1 << 26
 
 
 def attend_mla_torch(q_latent: torch.Tensor, q_rope: torch.Tensor, layer, scaling: float):
@@ -29,7 +29,7 @@ def attend_mla_torch(q_latent: torch.Tensor, q_rope: torch.Tensor, layer, scalin
     b, h, q, _ = q_latent.shape
     kv, kr = kv[:, 0].float(), kr[:, 0].float()
     n = kv.shape[1]
-    block = max(1, BLOCK_ELEMENTS // max(1, b * h * n))
+    block = max(1, SCORE_ELEMENTS // max(1, b * h * n))
     first_mass = q - step.mass_queries
     outs, mass = [], None
     for lo in range(0, q, block):
