@@ -49,9 +49,15 @@ def method_spec(name: str):
     """key spec, value spec, page size, sinks, tail tokens (the residual window half full, on average).
     "NAME-noout": the preset without outliers (to see what they cost); "NAME-vtok": values scaled per token;
     "NAME-paged": a preset on decode_paged_triton instead of decode_phase_triton; "fp8-static": fp8 as
-    `calibrate --preset fp8` makes it (static scales per head, streams shifted per channel)."""
+    `calibrate --preset fp8` makes it (static scales per head, streams shifted per channel); "NAME-pNN": pages
+    of NN tokens (nuq4-p64: the layout of the nuq4+quest-1024 preset)."""
+    import re
     from dataclasses import replace
 
+    page = re.search(r"-p(\d+)$", name)
+    if page:
+        key, value, _, sinks, tail = method_spec(name[: page.start()])
+        return key, value, int(page.group(1)), sinks, tail
     name = name.removesuffix("-paged").removesuffix("-static")
     p = preset_policy(name.removesuffix("-noout").removesuffix("-vtok"))
     if name.endswith("-noout"):

@@ -7,12 +7,16 @@ under `kvcompress.enable(model)` (absorbed attention, the fused MLA kernels):
 
 - dynamic:    DynamicCache (the exact bf16 latent, read by the dense-latent kernel);
 - nuq4:       CompressedCache(config, "nuq4"), eager steps (the packed-latent kernel);
-- nuq4-graph: the same, decoded through `kvcompress.DecodeGraph` (each step replayed from one CUDA graph).
+- nuq4-graph: the same, decoded through `kvcompress.DecodeGraph` (each step replayed from one CUDA graph);
+- any other preset name (--kinds), eager; with "@torch" after it, on the torch backend
+  (`kvcompress.enable(model, backend="torch")`: a sparse policy's attention in torch), for instance
+  `--kinds dynamic nuq4+h2o-20 nuq4+h2o-20@torch`.
 
 The prompt is prefilled in chunks of --chunk tokens; then --warmup greedy steps (a page flush included),
 then --steps timed with CUDA events. Tokens/s = batch * steps / time.
 
     PYTHONPATH=. python benchmarks/mla_e2e.py --batch 8 --prompt 8192 --out mla_e2e.md
+    PYTHONPATH=. python benchmarks/mla_e2e.py --kinds dynamic nuq4+h2o-20 nuq4+h2o-20@torch
 """
 
 from __future__ import annotations
@@ -46,7 +50,10 @@ def run(model, kind: str, args) -> dict:
     dev = next(model.parameters()).device
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, model.config.vocab_size, (args.batch, args.prompt), generator=g).to(dev)
-    cache = DynamicCache(config=model.config) if kind == "dynamic" else CompressedCache(model.config, "nuq4")
+    preset, _, backend = kind.partition("@")
+    preset = "nuq4" if preset == "nuq4-graph" else preset
+    kvcompress.enable(model, backend=backend or "fused")
+    cache = DynamicCache(config=model.config) if kind == "dynamic" else CompressedCache(model.config, preset)
     for lo in range(0, args.prompt, args.chunk):
         out = model(ids[:, lo: lo + args.chunk], logits_to_keep=1, **with_cache(cache))
     token = out.logits[:, -1:].argmax(-1)
@@ -84,11 +91,12 @@ def main():
     ap.add_argument("--chunk", type=int, default=1024)
     ap.add_argument("--warmup", type=int, default=70)
     ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--kinds", nargs="+", default=["dynamic", "nuq4", "nuq4-graph"],
+                    help="caches to time, the first the baseline: dynamic, nuq4-graph or a preset[@torch]")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     model = build(args.layers, torch.device("cuda"))
-    kvcompress.enable(model)
-    rows = [run(model, kind, args) for kind in ("dynamic", "nuq4", "nuq4-graph")]
+    rows = [run(model, kind, args) for kind in args.kinds]
     base = rows[0]["ms_step"]
     lines = [
         f"# MLA decode end to end ({args.layers} layers of DeepSeek-V2-Lite-shaped attention, dense MLPs, bf16)",
@@ -96,7 +104,7 @@ def main():
         f"Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}; device: {torch.cuda.get_device_name()}; "
         f"batch {args.batch}, prompt {args.prompt}, {args.steps} timed steps after {args.warmup}",
         "",
-        "| cache | ms / step | tokens / s | speed vs DynamicCache | cache MB |",
+        f"| cache | ms / step | tokens / s | speed vs {rows[0]['kind']} | cache MB |",
         "|---|---|---|---|---|",
         *(f"| {r['kind']} | {r['ms_step']:.2f} | {r['tok_s']:.0f} | {base / r['ms_step']:.2f}x | {r['cache_mb']:.0f} |"
           for r in rows),

@@ -2,6 +2,8 @@
 (SmolLM2-135M, plain template, greedy 8 tokens). Budgets: a quarter of the context.
 
     python benchmarks/passkey_sparse.py 2048,4096,6144 uncompressed,quest-25%,h2o-25%,streaming-25% [OUT_JSON]
+
+A name that is not one of those four is taken as a preset (quest-25, nuq4+quest-1024, ...).
 """
 import sys
 
@@ -33,7 +35,7 @@ only = sys.argv[2].split(",") if len(sys.argv) > 2 else list(CACHES)
 out_json = sys.argv[3] if len(sys.argv) > 3 else "passkey_sparse.json"
 out = {}
 for name in only:
-    cfg = CACHES[name]
+    cfg = CACHES[name] if name in CACHES else KVCompressConfig.from_preset(name, layout)
     if cfg is None:
         from transformers import DynamicCache
         factory = DynamicCache

@@ -254,9 +254,7 @@ def test_quest_budget_sharing_on_the_gpu(preset):
     model = make_tiny_model("llama", hidden_size=512, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
                             num_hidden_layers=4, intermediate_size=512).to(DEV, LOW)
     cfg = KVCompressConfig.from_preset(preset, model.config)
-    # residual 0: the exact tail is then Quest's newest page, which both paths read whole (with a residual
-    # window the fused path reads the whole tail, the torch path only its selected pages of it)
-    layers = [replace(p, residual=0, sparsity=replace(p.sparsity, budget_sharing="layers", dense_layers=0, budget=128))
+    layers = [replace(p, sparsity=replace(p.sparsity, budget_sharing="layers", dense_layers=0, budget=128))
               if preset != "quest-25" else p for p in cfg.layers]
     cfg = KVCompressConfig(layout=cfg.layout, layers=layers, name=preset + "-shared")
     ids = torch.randint(3, 256, (2, 520), generator=torch.Generator().manual_seed(10)).to(DEV)
@@ -269,8 +267,9 @@ def test_quest_budget_sharing_on_the_gpu(preset):
 def test_sparse_mla_on_the_gpu(method):
     """A tiny DeepSeek-V3 in bf16 on the GPU under kvcompress.enable with Quest / H2O over the nuq4 latent
     (Quest scores its 48-wide MLA keys with the torch logits and the Triton mass kernel, and its decode
-    steps run the fused kernel over the selected body pages; H2O attends in torch): the decode steps match
-    the torch backend's, and read (Quest) or hold (H2O) fewer tokens than the context."""
+    steps run the fused kernel over the selected body pages; H2O's run the fused kernel over the whole
+    packed body, which writes the scores H2O sums): the decode steps match the torch backend's, and read
+    (Quest) or hold (H2O) fewer tokens than the context."""
     from conftest import make_tiny_model
     from test_mla import MLA_DIMS, _sparse_config
 

@@ -324,6 +324,39 @@ def test_triton_kernel_matches_twin(packed, n_out, fp8_rot, heads, t, splits, dt
     assert _rel_err(merged, ref) < tol
 
 
+@pytest.mark.parametrize("packed", [True, False])
+def test_kernel_scores_give_the_attention_mass(packed):
+    """The scores the kernels write for H2O (masked tokens -inf): equal to the twin's, and `token_mass` of
+    them with the partials' lse is the softmax attention per token summed over the heads (each head's
+    attention sums to 1, so the mass sums to the number of heads)."""
+    mla_decode_triton = _triton_or_skip()
+    from kvcompress.kernels.mla_decode import token_mass
+
+    b, h, t = 2, 6, 48
+    if packed:
+        lat = _packed_latent(b, t, 32, 16, 16, 0, True, per_token=1)
+    else:
+        g = torch.Generator().manual_seed(2)
+        lat = MlaLatent(kv=torch.randn(b, t, 32, generator=g), k_rot=torch.randn(b, t, 16, generator=g),
+                        latent_dim=32, page_size=16)
+    g = torch.Generator().manual_seed(4)
+    ql, qr = torch.randn(b, h, 32, generator=g), torch.randn(b, h, 16, generator=g)
+    allowed = torch.rand(b, t, generator=g) > 0.3
+    kv, kr = dequantize_latent(lat, torch.float32)
+    logits = (ql @ kv.transpose(1, 2) + qr @ kr.transpose(1, 2)) * 0.25
+    want = torch.softmax(logits.masked_fill(~allowed[:, None], float("-inf")), -1).sum(1)  # [B, T]
+    for fn in (mla_decode_torch, mla_decode_triton):
+        scores = torch.full((b, h, t), float("-inf"))
+        out, lse = fn(ql, qr, lat, 0.25, 3, allowed, scores=scores)
+        assert torch.isinf(scores[~allowed[:, None].expand(b, h, t)]).all()
+        mass = token_mass(scores, lse)
+        assert (mass - want).abs().max() < 1e-4
+        assert torch.allclose(mass.sum(-1), torch.full((b,), float(h)), atol=1e-4)
+    with pytest.raises(ValueError, match="page list"):
+        mla_decode_torch(ql, qr, lat, 0.25, 1, scores=torch.zeros(b, h, t),
+                         pages=torch.zeros(b, 1, dtype=torch.long))
+
+
 def test_packed_kernel_fp32_queries_with_fp16_tiles():
     """fp32 queries on a GPU multiply the packed tiles as fp16 (two fp32 half tiles do not fit in shared
     memory): forced here, the result stays within fp16 rounding (1e-2) of the fp32 twin."""
@@ -664,6 +697,51 @@ def test_quest_on_mla_runs_fused(deepseek, monkeypatch):
         runs[backend] = torch.stack(steps)
         assert cache.tokens_read_last_step() < cache.layers[1].held_tokens
     assert any(p is not None and p.shape[-1] < 4 for p in lists)  # 3 body pages, fewer than the body's
+    assert _rel_err(runs["triton"], runs["torch"]) < 1e-4
+
+
+@torch.no_grad()
+def test_h2o_on_mla_runs_fused(deepseek, monkeypatch):
+    """H2O over the packed nuq4 latent on the fused backend: the decode steps read the packed body through
+    the kernel (no dense() of the cache), which writes the scores H2O sums into attention mass; the logits,
+    the tokens kept and their accumulated scores match the torch backend's."""
+    _triton_or_skip()
+    from kvcompress.cache import CompressedLayer
+    from kvcompress.kernels import mla_layer
+    from kvcompress import SparsitySpec
+
+    ids = torch.randint(3, 256, (1, 120), generator=torch.Generator().manual_seed(13))
+    cfg = _sparse_config(deepseek, SparsitySpec(method="h2o", budget=96), "nuq4")
+    runs, kept, written = {}, {}, []
+    dense, kernel = CompressedLayer.dense, mla_layer.mla_decode_triton
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv("KVCOMPRESS_KERNELS", backend)
+
+        def spy_kernel(*a, **k):
+            written.append(k.get("scores") is not None)
+            return kernel(*a, **k)
+
+        def no_dense(self):
+            raise AssertionError("the fused decode step decoded the cache")
+
+        monkeypatch.setattr(mla_layer, "mla_decode_triton", spy_kernel)
+        with kvcompress.enabled(deepseek):
+            cache = CompressedCache(deepseek.config, cfg)
+            out = deepseek(ids, **with_cache(cache))
+            steps = [out.logits[:, -1]]
+            if backend == "triton":
+                monkeypatch.setattr(CompressedLayer, "dense", no_dense)
+            for i in range(40):  # past the budget plus a page: evictions while decoding
+                out = deepseek(steps[-1].argmax(-1, keepdim=True), **with_cache(cache))
+                steps.append(out.logits[:, -1])
+            monkeypatch.setattr(CompressedLayer, "dense", dense)
+        runs[backend] = torch.stack(steps)
+        layer = cache.layers[-1]
+        kept[backend] = (layer.sparse.positions(layer.held_tokens, layer.sink_k), layer.sparse.scores)
+        assert layer.held_tokens <= 96 + layer.key_store.page_size
+    assert written and all(written)
+    assert torch.equal(kept["triton"][0], kept["torch"][0])
+    assert _rel_err(kept["triton"][1], kept["torch"][1]) < 1e-4
     assert _rel_err(runs["triton"], runs["torch"]) < 1e-4
 
 

@@ -435,14 +435,14 @@ def test_bytes_read_per_step_follow_the_selection(model):
 
 def test_quest_page_list_skips_padding_pages():
     """The fused kernel's page list for a budget-sharing selection: padding pages (-1) list -1, which the
-    kernels skip, like the newest page when it is in the tail."""
+    kernels skip, like the exact tail (the kernel reads it whole), which ends every selection."""
     from types import SimpleNamespace
 
     from kvcompress.kernels.attention_backend import quest_page_list
 
-    layer = SimpleNamespace(key_store=SimpleNamespace(page_size=4, n_pages=5), held_tokens=22,
-                            sink_k=torch.zeros(1, 1, 0, 8))
-    index = torch.tensor([[[-1] * 4 + [0, 1, 2, 3] + [12, 13, 14, 15] + [20, 21]]])  # newest: 2 tokens in the tail
+    layer = SimpleNamespace(key_store=SimpleNamespace(page_size=4, n_pages=4), held_tokens=22,
+                            sink_k=torch.zeros(1, 1, 0, 8), tail_k=torch.zeros(1, 1, 6, 8))
+    index = torch.tensor([[[-1] * 4 + [0, 1, 2, 3] + [12, 13, 14, 15] + list(range(16, 22))]])  # + the tail
     assert quest_page_list(layer, index).tolist() == [[[-1, 0, 3, -1]]]
 
 
@@ -468,3 +468,47 @@ def test_quest_25_preset_shares_the_step_across_layers():
     policies = [layer.sparse.policy for layer in cache.layers]
     assert all(p.budget_sharing == "layers" and p.page_size == 4 and p.ratio == 0.25 for p in policies)
     assert policies[0].allocator is not None and all(p.allocator is policies[0].allocator for p in policies)
+
+
+@torch.no_grad()
+def test_quest_over_a_residual_window_reads_the_same_on_both_backends(model, monkeypatch):
+    """Quest over nuq4 with exact sinks and a 16-token exact tail: every step reads the sinks and the whole
+    tail beside the selected pages, on the torch backend as in the fused kernel (which is given only the
+    body pages), so the two backends' logits agree over decode steps that fill and flush the tail."""
+    import os
+    from dataclasses import replace
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("run with TRITON_INTERPRET=1 to test the Triton kernel on CPU")
+    pytest.importorskip("triton", reason="Triton is not installed (pip install triton)")
+    from kvcompress.kernels import attention_backend
+
+    base = KVCompressConfig.from_preset("nuq4+quest-1024", model.config)
+    spec = replace(base.layers[-1].sparsity, budget=48, page_size=16, dense_layers=0)
+    layers = [replace(p, page_size=16, sinks=16, residual=16, sparsity=spec) for p in base.layers]
+    cfg = KVCompressConfig(layout=base.layout, layers=layers, name="nuq4-quest-r16")
+    ids = torch.randint(3, 256, (1, 140), generator=torch.Generator().manual_seed(12))
+    lists, page_list = [], attention_backend.quest_page_list
+
+    def spy(layer, index):
+        lists.append(page_list(layer, index))
+        return lists[-1]
+
+    monkeypatch.setattr(attention_backend, "quest_page_list", spy)
+    runs, read = {}, {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv("KVCOMPRESS_KERNELS", backend)
+        with kvcompress.enabled(model):
+            cache = CompressedCache(model.config, cfg)
+            steps = [model(ids[:, :100], **with_cache(cache)).logits[:, -1]]
+            for i in range(100, ids.shape[1]):
+                steps.append(model(ids[:, i:i + 1], **with_cache(cache)).logits[:, -1])
+        runs[backend], read[backend] = torch.stack(steps), cache.tokens_read_last_step()
+        layer = cache.layers[-1]
+        held, n_tail = layer.held_tokens, layer.tail_k.shape[2]
+        index = layer.sparse.read_index[0, 0].tolist()
+        assert n_tail > 0 and index[-n_tail:] == list(range(held - n_tail, held))  # the whole exact tail
+        assert set(range(16)) <= set(index)  # the exact sinks
+    assert lists and all(pl.shape[-1] < 8 for pl in lists)  # the kernel got a page list, not every page
+    assert read["torch"] == read["triton"] < 140
+    assert (runs["triton"] - runs["torch"]).abs().max() / runs["torch"].abs().max() < 1e-3

@@ -22,8 +22,9 @@ MLA layers (absorbed attention, kvcompress.layout.mla_attention) defer their dec
 MLA kernel reads their codecs (`kvcompress.kernels.mla_layer.mla_fused_supported`); their prefill always
 runs over the latent update() returns.
 
-Sparse layers: Quest passes its selected pages as the kernel's page list (the kernel always reads the
-sinks and the whole tail, a few more tokens than the torch path's newest page); H2O takes the
+Sparse layers: Quest passes its selected body pages as the kernel's page list (the kernel always reads
+the exact sinks and the whole tail, which Quest's selection always holds: the same tokens as the torch
+path); H2O takes the
 per-token attention the kernel returns. Nothing here imports transformers or Triton.
 """
 
@@ -204,15 +205,18 @@ def attend_fused(query: torch.Tensor, layer, scaling: float, deferred: bool = Fa
 
 
 def quest_page_list(layer, index: torch.Tensor) -> torch.Tensor:
-    """Quest's held-token selection index [B, H, k*P + newest] -> body page list [B, H, k+1] (-1: not in the body).
+    """Quest's held-token selection index [B, H, k*P + last] -> body page list [B, H, k+1] (-1: not in the
+    body).
 
     Quest lists k whole pages (sorted; under budget sharing a head that reads fewer starts with pages of
-    -1, which list -1) then the newest page, which is in the body when it is whole and
-    the tail holds nothing; held tokens are positions (Quest evicts nothing) and its pages line up with
-    the body's (checked by `fused_supported`).
+    -1, which list -1) then the `last` newest tokens (`read_last`: the exact tail, which the kernel reads
+    anyway, or the newest page when the tail is empty and that page is in the body); held tokens are
+    positions (Quest evicts nothing) and its pages line up with the body's (checked by `fused_supported`).
     """
+    from kvcompress.sparse.quest import read_last
+
     page = layer.key_store.page_size
-    newest = layer.held_tokens % page or page
+    newest = read_last(layer.held_tokens, page, layer.tail_k.shape[2])
     k = (index.shape[-1] - newest) // page
     first = index[:, :, : k * page + 1 : page]  # first token of each selected page and the newest [B, H, k+1]
     body_page = (first - layer.sink_k.shape[2]) // page

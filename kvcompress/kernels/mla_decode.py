@@ -25,6 +25,10 @@ import torch
 
 from kvcompress.quant.pack import unpack
 
+LOG2E = 1.4426950408889634  # 1/ln(2): the kernels' softmax runs in base 2
+SCORES_WITH_PAGES = ("scores are written over a whole latent; a page list reads part of it "
+                     "(Quest needs no scores)")
+
 
 @dataclass
 class MlaLatent:
@@ -138,6 +142,7 @@ def mla_decode_torch(
     num_splits: int = 1,
     allowed: torch.Tensor | None = None,
     pages: torch.Tensor | None = None,
+    scores: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q_latent [B, H, R], q_rope [B, H, Dr] -> partial outputs [B, H, S, R] float32 and lse [B, H, S].
 
@@ -146,7 +151,11 @@ def mla_decode_torch(
     or every token in it is masked). allowed [B, T] bool (or uint8, nonzero = attend), None = all.
     pages [B, n] int: read only these pages of `page_size` tokens (Quest's selection; -1 reads nothing),
     the splits then dividing the list.
+    scores [B, H, T] float32 (no page list): filled with every token's scaled logit in base 2 (times
+    log2(e); -inf where masked), from which `token_mass` sums the attention per token (H2O).
     """
+    if scores is not None and pages is not None:
+        raise ValueError(SCORES_WITH_PAGES)
     kv, k_rot = dequantize_latent(latent, q_latent.dtype)
     if pages is not None:  # the listed pages, in list order: the splits divide the list as the kernel's do
         p = latent.page_size
@@ -159,11 +168,13 @@ def mla_decode_torch(
         k_rot = k_rot.gather(1, tok[..., None].expand(-1, -1, k_rot.shape[-1]))
         allowed = keep
     # the kernel multiplies the tile as q_latent's dtype holds it
-    scores = torch.einsum("bhr,btr->bht", q_latent.float(), kv.float())
-    scores += torch.einsum("bhd,btd->bht", q_rope.float(), k_rot.float())
-    scores *= scaling
+    logits = torch.einsum("bhr,btr->bht", q_latent.float(), kv.float())
+    logits += torch.einsum("bhd,btd->bht", q_rope.float(), k_rot.float())
+    logits *= scaling
     if allowed is not None:
-        scores = scores.masked_fill(~allowed.bool()[:, None, :], float("-inf"))
+        logits = logits.masked_fill(~allowed.bool()[:, None, :], float("-inf"))
+    if scores is not None:
+        scores.copy_(logits * LOG2E)
     bounds = _split_bounds(kv.shape[1], latent.page_size, num_splits)
     outs, lses = [], []
     for lo, hi in bounds:
@@ -171,7 +182,7 @@ def mla_decode_torch(
             outs.append(q_latent.new_zeros(*q_latent.shape, dtype=torch.float32))
             lses.append(q_latent.new_full(q_latent.shape[:2], float("-inf"), dtype=torch.float32))
             continue
-        s = scores[..., lo:hi]
+        s = logits[..., lo:hi]
         lse = torch.logsumexp(s, -1)
         p = torch.exp(s - lse.clamp_min(torch.finfo(torch.float32).min)[..., None])  # all masked: p = 0
         outs.append(torch.einsum("bht,btr->bhr", p.to(kv.dtype).float(), kv[:, lo:hi].float()))
@@ -183,6 +194,14 @@ def _split_bounds(num_tokens: int, block: int, num_splits: int) -> list[tuple[in
     blocks = -(-num_tokens // block)
     per = -(-blocks // num_splits)
     return [(min(s * per * block, num_tokens), min((s + 1) * per * block, num_tokens)) for s in range(num_splits)]
+
+
+def token_mass(scores: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """Attention per token summed over the heads, [B, T], from the base-2 logits [B, H, T] the kernels write
+    (`scores`) and the log-sum-exps [B, H, S] of every partial over the same query (all the tokens scored)."""
+    total = torch.logsumexp(lse, dim=-1)  # [B, H]
+    total = torch.where(torch.isfinite(total), total, torch.zeros_like(total))  # a head with nothing: mass 0
+    return torch.exp2(scores - (total * LOG2E)[..., None]).sum(1)
 
 
 def merge_partials(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
@@ -200,6 +219,7 @@ def mla_decode_triton(
     num_splits: int = 1,
     allowed: torch.Tensor | None = None,
     pages: torch.Tensor | None = None,
+    scores: torch.Tensor | None = None,
     **launch,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `mla_decode_torch` (a page list for packed latents only); `launch`: block_h,
@@ -211,7 +231,8 @@ def mla_decode_triton(
         raise ImportError("the fused MLA decode kernel needs Triton: pip install triton")
     from kvcompress.kernels import mla_decode_triton as impl
 
-    return impl.mla_decode_triton(q_latent, q_rope, latent, scaling, num_splits, allowed, pages=pages, **launch)
+    return impl.mla_decode_triton(q_latent, q_rope, latent, scaling, num_splits, allowed, pages=pages,
+                                  scores=scores, **launch)
 
 
 def mla_decode(q_latent, q_rope, latent: MlaLatent, scaling: float, num_splits: int = 1, **launch) -> torch.Tensor:

@@ -64,6 +64,7 @@ def _levels(KV, CB, PAIR, b, offs_n, n_mask, offs_j, stride_kvb, stride_kvt, DT:
 @triton.jit(do_not_specialize=("T", "blocks_per_split", "n_list"))
 def _mla_decode_packed_kernel(
     QL, QR, Out, Lse, KV, KR, KRS, CB, PAIR, CMEAN, CSCALE, OIDX, OVAL, MASK, PAGES, LEN,
+    SC, stride_scb, stride_sch,
     stride_qlb, stride_qlh, stride_qrb, stride_qrh, stride_mb,
     stride_kvb, stride_kvt, stride_krb, stride_krt, stride_krsb,
     stride_cmb, stride_oib, stride_oip, stride_pb, n_list,
@@ -71,7 +72,7 @@ def _mla_decode_packed_kernel(
     H, T, blocks_per_split, qk_scale,
     R: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     KR_FP8: tl.constexpr, K_TOK: tl.constexpr, HAS_MASK: tl.constexpr, PAIR16: tl.constexpr,
-    TILE_F16: tl.constexpr, HAS_PAGES: tl.constexpr, HAS_LEN: tl.constexpr,
+    TILE_F16: tl.constexpr, HAS_PAGES: tl.constexpr, HAS_LEN: tl.constexpr, WRITE_SCORES: tl.constexpr,
 ):
     RH: tl.constexpr = R // 2
     b = tl.program_id(1)
@@ -131,7 +132,8 @@ def _mla_decode_packed_kernel(
         # -- scores [BLOCK_H, BLOCK_N]
         s = tl.dot(qs_ev, tl.trans(u_ev)) + tl.dot(qs_od, tl.trans(u_od)) + tl.dot(qr, tl.trans(kr))
         s = (s + q_bias[:, None]) * qk_scale
-        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, MASK, b, stride_mb, offs_n, n_mask, HAS_MASK)
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, MASK, b, stride_mb, offs_n, n_mask, HAS_MASK,
+                                           SC, stride_scb, stride_sch, offs_h, h_mask, WRITE_SCORES)
         pd = p.to(DT)
         acc_ev = acc_ev * alpha[:, None] + tl.dot(pd, u_ev)
         acc_od = acc_od * alpha[:, None] + tl.dot(pd, u_od)

@@ -17,9 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcompress.kernels.mla_decode import MlaLatent
-
-LOG2E = 1.4426950408889634  # 1/ln(2): softmax in base 2
+from kvcompress.kernels.mla_decode import LOG2E, SCORES_WITH_PAGES, MlaLatent
 
 
 @triton.jit
@@ -34,14 +32,19 @@ def _k_rot_tile(KR, KRS, b, offs_n, n_mask, offs_dr, stride_krb, stride_krt, str
 
 
 @triton.jit
-def _softmax_step(s, m_i, l_i, MASK, b, stride_mb, offs_n, n_mask, HAS_MASK: tl.constexpr):
+def _softmax_step(s, m_i, l_i, MASK, b, stride_mb, offs_n, n_mask, HAS_MASK: tl.constexpr, SC, stride_scb,
+                  stride_sch, offs_h, h_mask, WRITE_SCORES: tl.constexpr):
     """One tile of the online softmax in base 2: scores s [BLOCK_H, BLOCK_N] (already scaled), tokens past
     T or masked dropped -> (p, alpha, m_new, l_new). A row whose tokens so far are all masked keeps
-    m = -inf and gets p = 0 (not NaN)."""
+    m = -inf and gets p = 0 (not NaN). WRITE_SCORES: the tile's scores (-inf where masked) are stored to
+    SC [B, H, T] at the tokens' positions, for the attention mass H2O reads."""
     keep = n_mask
     if HAS_MASK:
         keep = keep & (tl.load(MASK + b * stride_mb + offs_n, mask=n_mask, other=0) != 0)
     s = tl.where(keep[None, :], s, float("-inf"))
+    if WRITE_SCORES:
+        tl.store(SC + b * stride_scb + offs_h[:, None] * stride_sch + offs_n[None, :], s,
+                 mask=h_mask[:, None] & n_mask[None, :])
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_sub)
@@ -51,13 +54,13 @@ def _softmax_step(s, m_i, l_i, MASK, b, stride_mb, offs_n, n_mask, HAS_MASK: tl.
 
 @triton.jit(do_not_specialize=("T", "blocks_per_split"))
 def _mla_decode_kernel(
-    QL, QR, Out, Lse, KV, KR, KRS, MASK,
+    QL, QR, Out, Lse, KV, KR, KRS, MASK, SC, stride_scb, stride_sch,
     stride_qlb, stride_qlh, stride_qrb, stride_qrh, stride_mb,
     stride_kvb, stride_kvt, stride_krb, stride_krt, stride_krsb,
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
     H, T, blocks_per_split, qk_scale,
     R: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    KR_FP8: tl.constexpr, HAS_MASK: tl.constexpr,
+    KR_FP8: tl.constexpr, HAS_MASK: tl.constexpr, WRITE_SCORES: tl.constexpr,
 ):
     b = tl.program_id(1)
     offs_h = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -83,7 +86,8 @@ def _mla_decode_kernel(
         kr = _k_rot_tile(KR, KRS, b, offs_n, n_mask, offs_dr, stride_krb, stride_krt, stride_krsb, qr.dtype, KR_FP8)
         # -- scores [BLOCK_H, BLOCK_N]
         s = (tl.dot(ql, tl.trans(kv)) + tl.dot(qr, tl.trans(kr))) * qk_scale
-        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, MASK, b, stride_mb, offs_n, n_mask, HAS_MASK)
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, MASK, b, stride_mb, offs_n, n_mask, HAS_MASK,
+                                           SC, stride_scb, stride_sch, offs_h, h_mask, WRITE_SCORES)
         acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv)
 
     out = acc / tl.maximum(l_i, 1e-30)[:, None]
@@ -106,8 +110,10 @@ def mla_decode_triton(
     tile_f16: bool | None = None,
     pages: torch.Tensor | None = None,
     lengths: torch.Tensor | None = None,
+    scores: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as `mla_decode_torch`; block_h heads per program, tiles of latent.page_size tokens.
+    """Same contract as `mla_decode_torch` (scores included); block_h heads per program, tiles of
+    latent.page_size tokens.
     A packed latent's outliers must be chosen per token (`latent.outliers_per_token`). tile_f16: the packed
     kernel's dot operands in fp16 for fp32 queries (None: on a GPU, where fp32 tiles do not fit). pages
     [B, n]: the page list (packed latents), the splits dividing it. lengths [B] int32: each row's filled
@@ -136,6 +142,10 @@ def mla_decode_triton(
         assert mask.stride(-1) == 1, "allowed needs a contiguous last dim"
     else:
         mask = dummy
+    if scores is not None:
+        _check_scores(scores, b, h, t, pages)
+    sc = scores if scores is not None else dummy
+    sc_strides = (sc.stride(0), sc.stride(1)) if scores is not None else (0, 0)
     grid = (triton.cdiv(h, block_h), b, num_splits)
     common = (
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
@@ -145,11 +155,12 @@ def mla_decode_triton(
     tail = (out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), h, t, per_split, scaling * LOG2E)
     meta = dict(R=r, DR=q_rope.shape[-1], BLOCK_H=block_h, BLOCK_N=latent.page_size,
                 KR_FP8=latent.k_rot_scale is not None, HAS_MASK=allowed is not None,
-                num_warps=num_warps, num_stages=num_stages)
+                WRITE_SCORES=scores is not None, num_warps=num_warps, num_stages=num_stages)
     if not latent.is_packed:
         if lengths is not None:
             raise ValueError("lengths are read over a packed latent only; mask a dense one with `allowed`")
-        _mla_decode_kernel[grid](q_latent, q_rope, out, lse, kv, k_rot, krs, mask, *common, *tail, **meta)
+        _mla_decode_kernel[grid](q_latent, q_rope, out, lse, kv, k_rot, krs, mask, sc, *sc_strides, *common,
+                                 *tail, **meta)
         return out, lse
 
     from kvcompress.kernels.mla_decode_packed_triton import _mla_decode_packed_kernel, pair_table
@@ -174,10 +185,18 @@ def mla_decode_triton(
         assert lengths.shape == (b,) and lengths.dtype == torch.int32, "lengths must be [B] int32"
     _mla_decode_packed_kernel[grid](
         q_latent, q_rope, out, lse, kv, k_rot, krs, cb, pair, cmean, cscale, oidx, oval, mask, page_list,
-        lengths if lengths is not None else dummy, *common,
+        lengths if lengths is not None else dummy, sc, *sc_strides, *common,
         cmean.stride(0), oidx.stride(0) if oidx.dim() > 1 else 0, oidx.stride(1) if oidx.dim() > 1 else 0,
         page_list.stride(0) if pages is not None else 0, n_list, *tail,
         K_TOK=latent.outliers_per_token, PAIR16=pair16, TILE_F16=tile_f16, HAS_PAGES=pages is not None,
         HAS_LEN=lengths is not None, **meta,
     )
     return out, lse
+
+
+def _check_scores(scores: torch.Tensor, b: int, h: int, t: int, pages) -> None:
+    if pages is not None:
+        raise ValueError(SCORES_WITH_PAGES)
+    if scores.shape != (b, h, t) or scores.dtype != torch.float32 or scores.stride(-1) != 1:
+        raise ValueError(f"scores must be a float32 [B, H, T] = {(b, h, t)} buffer with a contiguous last "
+                         f"dim, got {scores.dtype} {tuple(scores.shape)}")

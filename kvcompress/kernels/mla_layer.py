@@ -10,6 +10,10 @@ new token) and the absorbed attention calls `mla_layer_decode`:
 
 so each step reads the packed latent once and never materialises it densely. `decode_allowed` turns the
 mask the attention receives into the [B, T] keep-mask the kernels read (any padding, not only left).
+For H2O (`return_mass`) both kernels also write every token's logit for every head ([B, H, T] float32,
+4 bytes per head and token, against about 0.3 bytes per token of packed latent read: the attention mass
+costs more traffic than the attention), and `token_mass` sums them with the merged log-sum-exps into the
+attention each token got, without a second pass over the latent.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from kvcompress.kernels.mla_decode import (
     merge_partials,
     mla_decode_torch,
     mla_decode_triton,
+    token_mass,
 )
 
 
@@ -39,17 +44,17 @@ def latent_dims_supported(latent_dim: int, rope_dim: int) -> bool:
 def mla_fused_supported(layer) -> bool:
     """Whether `mla_layer_decode` can read this compressed MLA layer's body as stored: the latent as
     4-bit channel NUQ (one codebook, no rotation, outliers if any chosen per token) or exact, k_rot as
-    dynamic E4M3 or exact; no sparsity but Quest over the packed latent with the body's pages (the kernel
-    reads its page list; H2O and the other policies need the attention mass, which the kernel does not
-    report)."""
+    dynamic E4M3 or exact. Sparsity: Quest over the packed latent with the body's pages (the kernel reads
+    its page list); the evicting policies (H2O, StreamingLLM, SnapKV) over any of these, the kernels writing
+    the scores H2O sums into attention mass per token."""
     from kvcompress.quant.fp8 import Fp8Codec
     from kvcompress.quant.identity import IdentityCodec
     from kvcompress.quant.nuq import NuqCodec
 
     kc, vc = layer.key_store.codec, layer.value_store.codec
     sparse = getattr(layer, "sparse", None)
-    if sparse is not None:  # Quest over the packed body: its pages must be the body's pages
-        if not (sparse.policy.keeps_page_summaries and isinstance(kc, NuqCodec)):
+    if sparse is not None and sparse.policy.keeps_page_summaries:  # Quest: its pages must be the body's pages
+        if not isinstance(kc, NuqCodec):
             return False
         if sparse.policy.page_size != kc.page_size or layer.sink_k.shape[2] % kc.page_size:
             return False
@@ -112,16 +117,18 @@ def launch_for(latent: MlaLatent, heads: int, batch: int, device: torch.device, 
     return launch
 
 
-def mla_attend(q_latent, q_rope, latent: MlaLatent, scaling: float, allowed, backend: str, launch=None, pages=None):
+def mla_attend(q_latent, q_rope, latent: MlaLatent, scaling: float, allowed, backend: str, launch=None,
+               pages=None, scores=None):
     """Partial outputs [B, H, S, R] and lse [B, H, S] of the fused kernel (or its twin) over `latent`, or over
-    its listed pages [B, n] only."""
+    its listed pages [B, n] only; scores [B, H, T]: filled with the logits (`mla_decode_torch`)."""
     b, h, _ = q_latent.shape
     if backend == "triton":
         tokens = pages.shape[1] * latent.page_size if pages is not None else None
         launch = dict(launch or launch_for(latent, h, b, q_latent.device, tokens))
         splits = launch.pop("num_splits")
-        return mla_decode_triton(q_latent, q_rope, latent, scaling, splits, allowed, pages=pages, **launch)
-    return mla_decode_torch(q_latent, q_rope, latent, scaling, 1, allowed, pages)
+        return mla_decode_triton(q_latent, q_rope, latent, scaling, splits, allowed, pages=pages,
+                                 scores=scores, **launch)
+    return mla_decode_torch(q_latent, q_rope, latent, scaling, 1, allowed, pages, scores)
 
 
 def mla_layer_decode(
@@ -132,31 +139,44 @@ def mla_layer_decode(
     allowed: torch.Tensor | None,
     backend: str = "triton",
     pages: torch.Tensor | None = None,
-) -> torch.Tensor:
+    return_mass: bool = False,
+):
     """q_latent [B, H, R], q_rope [B, H, Dr] over a deferred layer (new token already in its tail),
     allowed [B, held] bool or None, pages [B, n]: the body pages to read (Quest; None: all) -> o_latent
-    [B, H, R] float32."""
+    [B, H, R] float32; with return_mass, (o_latent, mass [B, 1, held]): the attention each held token got,
+    summed over the heads (H2O), from the logits the kernels wrote in the same pass."""
     static = getattr(layer, "static", None)
     if static is not None:
         return _static_decode(layer, static, q_latent, q_rope, scaling)
+    b, h, _ = q_latent.shape
     n_sink, n_body = layer.sink_k.shape[2], layer.key_store.n_tokens
+    n_exact = n_sink + layer.tail_k.shape[2]
+    scores = [q_latent.new_full((b, h, n), float("-inf"), dtype=torch.float32) if return_mass else None
+              for n in (n_body, n_exact)]
     outs, lses = [], []
     if n_body:
         body = MlaLatent.from_stores(layer.key_store, layer.value_store, q_latent.dtype)
         keep = allowed[:, n_sink: n_sink + n_body].contiguous() if allowed is not None else None
-        out, lse = mla_attend(q_latent, q_rope, body, scaling, keep, backend, pages=pages)
+        out, lse = mla_attend(q_latent, q_rope, body, scaling, keep, backend, pages=pages, scores=scores[0])
         outs.append(out)
         lses.append(lse)
     keep = None
     if allowed is not None:
         keep = torch.cat([allowed[:, :n_sink], allowed[:, n_sink + n_body:]], 1)
-    out, lse = _attend_exact(layer, layer.tail_k, layer.tail_v, q_latent, q_rope, scaling, keep, backend)
+    out, lse = _attend_exact(layer, layer.tail_k, layer.tail_v, q_latent, q_rope, scaling, keep, backend,
+                             scores[1])
     outs.append(out)
     lses.append(lse)
-    return merge_partials(torch.cat(outs, 2), torch.cat(lses, 2))
+    lse = torch.cat(lses, 2)
+    o_latent = merge_partials(torch.cat(outs, 2), lse)
+    if not return_mass:
+        return o_latent
+    body_scores, exact = scores
+    held = torch.cat([exact[..., :n_sink], body_scores, exact[..., n_sink:]], -1)  # sinks | body | tail
+    return o_latent, token_mass(held, lse)[:, None]
 
 
-def _attend_exact(layer, tail_k, tail_v, q_latent, q_rope, scaling: float, keep, backend: str):
+def _attend_exact(layer, tail_k, tail_v, q_latent, q_rope, scaling: float, keep, backend: str, scores=None):
     """The exact sinks and tail [B, 1, n, R] / [B, 1, n, Dr]: a few dozen tokens, one program per head block
     and no split on the Triton backend, the twin on torch -> partial output [B, H, 1, R], lse [B, H, 1]."""
     exact = MlaLatent(
@@ -165,9 +185,9 @@ def _attend_exact(layer, tail_k, tail_v, q_latent, q_rope, scaling: float, keep,
         latent_dim=q_latent.shape[-1],
     )
     if backend != "triton":
-        return mla_decode_torch(q_latent, q_rope, exact, scaling, 1, keep)
+        return mla_decode_torch(q_latent, q_rope, exact, scaling, 1, keep, scores=scores)
     launch = dict(launch_for(exact, q_latent.shape[1], q_latent.shape[0], q_latent.device), num_splits=1)
-    return mla_attend(q_latent, q_rope, exact, scaling, keep, backend, launch)
+    return mla_attend(q_latent, q_rope, exact, scaling, keep, backend, launch, scores=scores)
 
 
 def _static_decode(layer, static, q_latent, q_rope, scaling: float) -> torch.Tensor:

@@ -19,7 +19,8 @@ Decode steps on the fused backend (`kvcompress.enable(model)` on CUDA) run the f
 (kvcompress.kernels.mla_decode): over a compressed layer's packed latent where it lies
 (kvcompress.kernels.mla_layer; the layer never decodes its cache), or over an exact latent (a
 DynamicCache, a lossless layer) as it is. Prefill, and every step on the torch backend, run
-`absorbed_attention` in torch.
+`absorbed_attention` in torch. A sparse layer's decode steps take the fused kernel too: Quest's over its
+selected body pages, H2O's with the kernel writing the logits its attention mass is summed from.
 """
 
 from __future__ import annotations
@@ -216,12 +217,13 @@ def _absorbed_forward(attn: nn.Module, original: Callable) -> Callable:
         if sparse is not None:  # what the policy keeps and selects (the policy sees the attention)
             query = torch.cat([q_latent, q_rot.to(q_latent.dtype)], -1)  # the width of its page summaries
             begin_sparse_step(sparse, query, kv_nope, attention_mask, self.scaling, deferred is not None)
-            if deferred is not None:  # Quest on the fused path: the kernel reads the selected body pages
+            if deferred is not None:  # the fused path: Quest's selected body pages, or the mass H2O sums
                 step = sparse.sparse.step
                 pages = quest_page_list(sparse, step.index)[:, 0].contiguous() if step.index is not None else None
                 o = mla_layer_decode(sparse, q_latent[:, :, 0], q_rot[:, :, 0], self.scaling,
-                                     step.mask[:, 0, -1, :], pages=pages)
-                o_latent, mass = o[:, :, None], None
+                                     step.mask[:, 0, -1, :], pages=pages, return_mass=step.mass_queries > 0)
+                o, mass = o if isinstance(o, tuple) else (o, None)
+                o_latent = o[:, :, None]
             else:
                 o_latent, mass = attend_mla_torch(q_latent, q_rot, sparse, self.scaling)
             finish_sparse_step(sparse, mass)

@@ -5,7 +5,9 @@ per-channel min and max key (bfloat16 rounded outward, from the full-precision k
 completes). At each decode step a page's bound for one query head is the upper bound of q.k over its
 keys, sum_i max(q_i*min_i, q_i*max_i); the attention reads the first real page (it holds the attention
 sinks), the newest page (the one holding the current token) and the top pages by score within the
-token budget. Prefill is dense, and so are the first `dense_layers` layers (their inputs matter most).
+token budget. Over quantized storage it also always reads the exact sink tokens and the whole exact tail
+(the full-precision window of newest tokens), as the fused kernel does. Prefill is dense, and so are the
+first `dense_layers` layers (their inputs matter most).
 
 A page's score for a GQA group is the softmax of its logits over the pages (scaled like the
 attention logits), per query head, summed over the group's heads: an estimate of the attention
@@ -114,16 +116,18 @@ class QuestPolicy(SparsePolicy):
         budget = self.token_budget(held)
         if query.shape[2] != 1 or held <= budget or state.page_min is None:
             return None
-        n_full, partial = held // p, held % p
-        newest = partial if partial else p  # the newest page holds the current token
-        n_cand = n_full if partial else n_full - 1
+        n_sink, n_tail = state.step.exact
+        newest = read_last(held, p, n_tail)  # always read: the newest page, a quantized layer's exact tail
+        n_cand = (held - newest) // p
         k = min(max((budget - newest) // p, 0), n_cand)
         b, h = mask.shape[:2]
         group = query.reshape(b, h, -1, query.shape[-1])  # [B, H, G, D]
         real = mask[:, :, -1, : n_cand * p].reshape(b, h, n_cand, p).any(-1)  # [B, H, n_cand]
         score = page_scores(group, state.page_min[:, :, :n_cand], state.page_max[:, :, :n_cand], real,
                             state.step.scaling, self.radius_scale)
-        score = score.masked_fill(first_true(real), float("inf"))  # the sinks' page
+        forced = first_true(real)  # the first real page (attention sinks)
+        forced[..., : -(-n_sink // p)] = True  # and the pages of a quantized layer's exact sinks, always read
+        score = score.masked_fill(forced, float("inf"))
         if self.budget_sharing == "none":
             pages = top_indices(score, k)  # [B, H, k]
         elif self.allocator is None:
@@ -136,6 +140,14 @@ class QuestPolicy(SparsePolicy):
         tokens = torch.where(pages[..., None] < 0, -1, pages[..., None] * p + arange).flatten(2)
         last = torch.arange(held - newest, held, device=mask.device).expand(b, h, newest)
         return torch.cat([tokens, last], dim=-1)
+
+
+def read_last(held: int, page: int, n_tail: int = 0) -> int:
+    """How many of the newest held tokens every Quest step reads: the newest page (the one holding the
+    current token) and, in a quantized layer, its whole exact tail of n_tail tokens, rounded up so that the
+    candidate pages before them are whole."""
+    newest = held % page or page
+    return held - (held - max(newest, n_tail)) // page * page
 
 
 def shared_pages(

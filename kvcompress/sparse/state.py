@@ -42,6 +42,7 @@ class StepInputs:
     index: torch.Tensor | None = None  # [B, H, n] held tokens read (Quest; -1: a slot reading nothing), None = all
     mass_queries: int = 0  # newest queries whose attention is summed per token (0: no mass)
     scaling: float = 1.0  # the attention's logit scale (Quest scores pages on that scale)
+    exact: tuple[int, int] = (0, 0)  # exact sink and tail tokens of a quantized layer, which every step reads
 
 
 class SparseState:

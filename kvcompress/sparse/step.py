@@ -27,6 +27,7 @@ def begin_sparse_step(layer, query, key, attention_mask, scaling: float, deferre
     else:
         step.mask = held_mask(attention_mask, state.positions(held, key), query.shape[2])
     step.scaling = scaling
+    step.exact = (layer.sink_k.shape[2], layer.tail_k.shape[2]) if layer.compressed else (0, 0)
     step.index = state.policy.select(state, query, step.mask)
     step.mass_queries = state.policy.mass_queries(query.shape[2])
 
