@@ -1,7 +1,8 @@
 """End-to-end decode of an MLA model: DynamicCache vs CompressedCache(nuq4), eager and from a CUDA graph.
 
 The model is DeepSeek-V2-Lite-shaped attention (hidden 2048, 16 heads, latent 512 + 64 RoPE, q without
-LoRA, nope 128, v 128, vocab 102400) over --layers layers with dense MLPs (intermediate 10944), random bf16
+LoRA, nope 128, v 128, vocab 102400; --shape v3: DeepSeek-V3's 128 heads, hidden 7168, q LoRA 1536, dense
+MLPs of width 18432) over --layers layers with dense MLPs (intermediate 10944), random bf16
 weights built on the GPU (nothing is downloaded; decode speed does not depend on the weights). All three run
 under `kvcompress.enable(model)` (absorbed attention, the fused MLA kernels):
 
@@ -36,8 +37,15 @@ V2_LITE = dict(hidden_size=2048, num_attention_heads=16, num_key_value_heads=16,
                vocab_size=102400, max_position_embeddings=65536)
 
 
-def build(layers: int, device):
-    cfg = DeepseekV3Config(**V2_LITE, num_hidden_layers=layers, first_k_dense_replace=layers,
+# DeepSeek-V3's attention (128 heads, q through a 1536 LoRA) with a dense MLP of its width
+V3 = dict(hidden_size=7168, num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512,
+          qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, intermediate_size=18432,
+          vocab_size=129280, max_position_embeddings=65536)
+SHAPES = {"v2-lite": V2_LITE, "v3": V3}
+
+
+def build(layers: int, device, shape: str = "v2-lite"):
+    cfg = DeepseekV3Config(**SHAPES[shape], num_hidden_layers=layers, first_k_dense_replace=layers,
                            attn_implementation="sdpa")
     torch.manual_seed(0)
     with torch.device(device):
@@ -86,6 +94,7 @@ def run(model, kind: str, args) -> dict:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="v2-lite", help="attention sizes (v3: 128 heads)")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--prompt", type=int, default=8192)
     ap.add_argument("--chunk", type=int, default=1024)
@@ -95,11 +104,11 @@ def main():
                     help="caches to time, the first the baseline: dynamic, nuq4-graph or a preset[@torch]")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    model = build(args.layers, torch.device("cuda"))
+    model = build(args.layers, torch.device("cuda"), args.shape)
     rows = [run(model, kind, args) for kind in args.kinds]
     base = rows[0]["ms_step"]
     lines = [
-        f"# MLA decode end to end ({args.layers} layers of DeepSeek-V2-Lite-shaped attention, dense MLPs, bf16)",
+        f"# MLA decode end to end ({args.layers} layers of DeepSeek-{args.shape}-shaped attention, dense MLPs, bf16)",
         "",
         f"Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}; device: {torch.cuda.get_device_name()}; "
         f"batch {args.batch}, prompt {args.prompt}, {args.steps} timed steps after {args.warmup}",

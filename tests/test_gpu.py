@@ -199,6 +199,33 @@ def test_mla_kernel_masked_bf16(block_h, num_warps):
     assert rel_err(got, want) < 1e-2
 
 
+@pytest.mark.parametrize("packed,per_token", [(False, 0), (True, 0), (True, 6)])
+def test_mla_scores_deepseek_size(packed, per_token):
+    """The logits H2O sums, written by the kernels at DeepSeek-V3 size (128 heads, latent 512 + 64, pages of
+    64) in bf16 through the library's launch (`mla_attend`, which fits the score store in shared memory):
+    the attention mass per token matches the twin's within bf16 rounding."""
+    from test_mla import _packed_latent
+
+    from kvcompress.kernels.mla_decode import MlaLatent, mla_decode_torch, token_mass
+    from kvcompress.kernels.mla_layer import mla_attend
+
+    g = torch.Generator().manual_seed(37)
+    if packed:
+        lat = _packed_latent(2, 4096, 512, 64, 64, 0, fp8_rot=True, per_token=per_token)
+        lat = type(lat)(**{k: (v.to(DEV) if isinstance(v, torch.Tensor) else v) for k, v in vars(lat).items()})
+    else:
+        lat = MlaLatent(kv=torch.randn(2, 4096, 512, generator=g).to(DEV, LOW),
+                        k_rot=torch.randn(2, 4096, 64, generator=g).to(DEV, LOW), latent_dim=512, page_size=64)
+    ql = (torch.randn(2, 128, 512, generator=g) * 0.1).to(DEV, LOW)
+    qr = (torch.randn(2, 128, 64, generator=g) * 0.1).to(DEV, LOW)
+    masses = []
+    for backend in ("torch", "triton"):
+        scores = torch.full((2, 128, 4096), float("-inf"), device=DEV)
+        out, lse = mla_attend(ql, qr, lat, 0.07, None, backend, scores=scores)
+        masses.append(token_mass(scores, lse))
+    assert rel_err(masses[1], masses[0]) < 2e-2
+
+
 def _on_both_backends(model, cfg, ids, prefill: int, mask=None):
     """Prefill ids[:, :prefill] into a fresh CompressedCache(cfg) under kvcompress.enable, then teacher-force
     the rest one token at a time, on the torch and on the Triton backend -> ({backend: logits of every step

@@ -126,6 +126,11 @@ def mla_attend(q_latent, q_rope, latent: MlaLatent, scaling: float, allowed, bac
         tokens = pages.shape[1] * latent.page_size if pages is not None else None
         launch = dict(launch or launch_for(latent, h, b, q_latent.device, tokens))
         splits = launch.pop("num_splits")
+        if scores is not None:  # storing the score tile takes the shared memory of a second pipeline stage,
+            # or of a 128-head block (H200: 245,760 bytes asked of 232,448 with outliers, pages of 64)
+            block_h = min(launch["block_h"], 64)
+            launch.update(num_stages=1, num_warps=max(4, launch["num_warps"] * block_h // launch["block_h"]),
+                          block_h=block_h)
         return mla_decode_triton(q_latent, q_rope, latent, scaling, splits, allowed, pages=pages,
                                  scores=scores, **launch)
     return mla_decode_torch(q_latent, q_rope, latent, scaling, 1, allowed, pages, scores)
