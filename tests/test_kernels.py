@@ -461,6 +461,34 @@ def test_quest_mass_triton_matches_torch(g, hkv, n_pages):
             assert rel_err(got[finite], want[finite]) < 1e-6
 
 
+@needs_triton
+@pytest.mark.parametrize("g,hkv,n_pages,k", [(3, 2, 37, 5), (4, 1, 600, 32), (1, 2, 20, 64)])
+def test_quest_top_pages_triton_matches_torch(g, hkv, n_pages, k):
+    """The top-k in the mass kernel's launch picks the pages the torch stable sort picks, in ascending order
+    with -1 last: exact ties (masses that underflow to 0 when one page dominates), ragged valid prefixes,
+    a row with no valid page, k larger than the valid pages and than the row."""
+    from kvcompress.kernels.quest import quest_page_mass_torch, quest_top_pages_torch
+    from kvcompress.kernels.quest_triton import quest_top_pages
+
+    gen = torch.Generator().manual_seed(n_pages + k)
+    logits = torch.randn(3, hkv * g, n_pages, generator=gen) * 8
+    logits[0, :, 3] = 1e4  # one dominant page: every other mass is exactly 0, a k-way tie
+    n_valid = torch.tensor([n_pages, n_pages // 3, 0])
+    ragged = torch.arange(n_pages) < n_valid.view(3, 1, 1)
+    for valid in (None, ragged):
+        mass = quest_page_mass_torch(logits, hkv, valid, scaling=0.125)
+        want = quest_top_pages_torch(mass, min(k, n_pages))
+        got = quest_top_pages(logits, hkv, min(k, n_pages), valid, 0.125)
+        assert torch.equal(got, want)
+        kept = want >= 0
+        assert torch.equal(kept.sum(-1), torch.isfinite(mass).sum(-1).clamp(max=min(k, n_pages)))
+        real = want.clamp(min=0).long()
+        assert (want.diff(dim=-1)[kept[..., 1:]] > 0).all()  # ascending, -1 only after the pages
+        floor = mass.gather(2, real).masked_fill(~kept, float("inf")).amin(-1, keepdim=True)
+        unpicked = mass.scatter(2, real, float("-inf"))
+        assert (unpicked <= floor).all()  # no page left out scores above one taken
+
+
 # -- dispatch -------------------------------------------------------------------------------------------
 def test_select_backend(monkeypatch):
     monkeypatch.setenv("KVCOMPRESS_KERNELS", "torch")

@@ -11,7 +11,8 @@ logits) per query head, summed over the head's GQA group: an estimate of the att
 (batch, kv head, block of pages) reading each page summary once for the whole group), and so do
 `quest_page_mass_torch` / `quest_page_mass_triton` (the softmax per query head and the group sum: one
 program per (batch, kv head) instead of about six torch launches); `quest_page_scores` chains the two,
-`quest_select_pages` adds the top-k (torch ops on either backend).
+`quest_select_pages` adds the top-k: on Triton in the mass kernel's launch (`quest_top_pages`, one sort
+of the row held in registers), in torch a stable sort (`quest_top_pages_torch`, the same pages).
 """
 
 from __future__ import annotations
@@ -79,18 +80,21 @@ def quest_page_scores(
 ) -> torch.Tensor:
     """Estimated attention mass per page, summed over the group: [B, Hkv, n_pages] float32, -inf on pages
     that are not `valid` ([B, Hkv, n_pages] or [B, 1, n_pages] bool; None: all)."""
-    from kvcompress.kernels.backend import select_backend
-
-    backend = backend or select_backend(q.device)
-    if backend == "triton":
-        logits_fn, mass_fn = quest_page_logits_triton, quest_page_mass_triton
-        d = q.shape[-1]
-        if d & (d - 1):  # the logits kernel tiles the head dim whole (an MLA key is 512 + 64 wide)
-            logits_fn = quest_page_logits_torch
-    else:
-        logits_fn, mass_fn = quest_page_logits_torch, quest_page_mass_torch
+    logits_fn, mass_fn = _kernels(backend, q)
     logits = logits_fn(q, page_min, page_max, radius_scale)  # [B, Hq, n_pages]
     return mass_fn(logits, page_min.shape[1], valid, scaling)
+
+
+def _kernels(backend: str | None, q: torch.Tensor):
+    """(logits function, mass function) on `backend` (None: the selected one)."""
+    from kvcompress.kernels.backend import select_backend
+
+    if (backend or select_backend(q.device)) != "triton":
+        return quest_page_logits_torch, quest_page_mass_torch
+    d = q.shape[-1]
+    if d & (d - 1):  # the logits kernel tiles the head dim whole (an MLA key is 512 + 64 wide)
+        return quest_page_logits_torch, quest_page_mass_triton
+    return quest_page_logits_triton, quest_page_mass_triton
 
 
 def quest_select_pages(
@@ -107,15 +111,29 @@ def quest_select_pages(
     """The k best pages per (batch, kv head) among the first n_valid [B] pages of each row: [B, Hkv, k]
     int32, ascending page order (the decode kernel then reads memory forward); -1 where fewer than k
     pages are valid."""
-    n_pages = page_min.shape[2]
+    n_pages, hkv = page_min.shape[2], page_min.shape[1]
     valid = None
     if n_valid is not None:
         valid = (torch.arange(n_pages, device=q.device) < n_valid.to(q.device).view(-1, 1, 1))  # [B, 1, n]
-        valid = valid.expand(-1, page_min.shape[1], -1)
-    scores = quest_page_scores(q, page_min, page_max, valid, scaling=scaling, radius_scale=radius_scale,
-                               backend=backend)
+        valid = valid.expand(-1, hkv, -1)
     k = min(k, n_pages)
-    top = scores.topk(k, dim=-1, sorted=False)  # the pages are sorted by index below
-    pages = torch.where(torch.isfinite(top.values), top.indices, torch.full_like(top.indices, -1))
-    ordered = torch.where(pages < 0, torch.full_like(pages, n_pages), pages).sort(-1).values  # -1 entries last
-    return ordered.masked_fill(ordered >= n_pages, -1).to(torch.int32)
+    logits_fn, mass_fn = _kernels(backend, q)
+    logits = logits_fn(q, page_min, page_max, radius_scale)  # [B, Hq, n_pages]
+    if mass_fn is quest_page_mass_triton:  # the softmax, the group sum and the top-k in one launch
+        from kvcompress.kernels.quest_triton import quest_top_pages
+
+        pages = quest_top_pages(logits, hkv, k, valid, scaling)
+        if pages is not None:
+            return pages
+    return quest_top_pages_torch(mass_fn(logits, hkv, valid, scaling), k)
+
+
+def quest_top_pages_torch(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """scores [B, Hkv, n_pages] (-inf: not valid) -> the k valid pages of highest score [B, Hkv, k] int32 in
+    ascending page order, -1 last where fewer are valid; ties go to the lower page (as in the Triton
+    kernel)."""
+    n_pages = scores.shape[-1]
+    ranked = scores.sort(dim=-1, descending=True, stable=True)
+    top, pages = ranked.values[..., :k], ranked.indices[..., :k]
+    pages = torch.where(torch.isfinite(top), pages, torch.full_like(pages, n_pages)).sort(-1).values
+    return pages.masked_fill(pages >= n_pages, -1).to(torch.int32)
