@@ -657,45 +657,55 @@ def test_triton_kernel_reads_a_page_list():
         assert (merge_partials(ref_out, ref_lse)[row] - w @ kv[row, tok]).abs().max() < 1e-5
 
 
+def _fused_against_torch(model, cfg, ids, steps: int, monkeypatch):
+    """Prefill ids into a fresh CompressedCache(cfg) under kvcompress.enable, then decode `steps` greedy tokens,
+    on the torch and on the Triton backend; on Triton a decode step that decodes the cache (dense()) fails.
+    -> ({backend: logits [steps + 1, B, V]}, {backend: cache}, the keyword arguments of every MLA kernel call)."""
+    from kvcompress.cache import CompressedLayer
+    from kvcompress.kernels import mla_layer
+
+    runs, caches, calls = {}, {}, []
+    dense, kernel = CompressedLayer.dense, mla_layer.mla_decode_triton
+
+    def spy_kernel(*a, **k):
+        calls.append(k)
+        return kernel(*a, **k)
+
+    def no_dense(self):
+        raise AssertionError("the fused decode step decoded the cache")
+
+    monkeypatch.setattr(mla_layer, "mla_decode_triton", spy_kernel)
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv("KVCOMPRESS_KERNELS", backend)
+        with kvcompress.enabled(model):
+            cache = CompressedCache(model.config, cfg)
+            out = model(ids, **with_cache(cache))
+            logits = [out.logits[:, -1]]
+            if backend == "triton":
+                monkeypatch.setattr(CompressedLayer, "dense", no_dense)
+            for _ in range(steps):
+                out = model(logits[-1].argmax(-1, keepdim=True), **with_cache(cache))
+                logits.append(out.logits[:, -1])
+            monkeypatch.setattr(CompressedLayer, "dense", dense)
+        runs[backend], caches[backend] = torch.stack(logits), cache
+    return runs, caches, calls
+
+
 @torch.no_grad()
 def test_quest_on_mla_runs_fused(deepseek, monkeypatch):
     """nuq4+quest on DeepSeek: on the fused backend the decode steps read the packed body's selected pages
     through the kernel (a page list, no dense() of the cache) and give the torch backend's logits."""
     _triton_or_skip()
-    from kvcompress.cache import CompressedLayer
-    from kvcompress.kernels import mla_layer
     from kvcompress import SparsitySpec
 
     ids = torch.randint(3, 256, (1, 200), generator=torch.Generator().manual_seed(11))
-    spec = SparsitySpec(method="quest", budget=96, page_size=64)
-    cfg = _sparse_config(deepseek, spec, "nuq4")
+    cfg = _sparse_config(deepseek, SparsitySpec(method="quest", budget=96, page_size=64), "nuq4")
     for p in cfg.layers:
         p.sinks = 0
-    runs, lists = {}, []
-    dense, kernel = CompressedLayer.dense, mla_layer.mla_decode_triton
-    for backend in ("torch", "triton"):
-        monkeypatch.setenv("KVCOMPRESS_KERNELS", backend)
-
-        def spy_kernel(*a, **k):
-            lists.append(k.get("pages"))
-            return kernel(*a, **k)
-
-        def no_dense(self):
-            raise AssertionError("the fused decode step decoded the cache")
-
-        monkeypatch.setattr(mla_layer, "mla_decode_triton", spy_kernel)
-        with kvcompress.enabled(deepseek):
-            cache = CompressedCache(deepseek.config, cfg)
-            out = deepseek(ids, **with_cache(cache))
-            steps = [out.logits[:, -1]]
-            if backend == "triton":
-                monkeypatch.setattr(CompressedLayer, "dense", no_dense)
-            for i in range(6):
-                out = deepseek(steps[-1].argmax(-1, keepdim=True), **with_cache(cache))
-                steps.append(out.logits[:, -1])
-            monkeypatch.setattr(CompressedLayer, "dense", dense)
-        runs[backend] = torch.stack(steps)
+    runs, caches, calls = _fused_against_torch(deepseek, cfg, ids, 6, monkeypatch)
+    for cache in caches.values():
         assert cache.tokens_read_last_step() < cache.layers[1].held_tokens
+    lists = [k.get("pages") for k in calls]
     assert any(p is not None and p.shape[-1] < 4 for p in lists)  # 3 body pages, fewer than the body's
     assert _rel_err(runs["triton"], runs["torch"]) < 1e-4
 
@@ -706,40 +716,18 @@ def test_h2o_on_mla_runs_fused(deepseek, monkeypatch):
     the kernel (no dense() of the cache), which writes the scores H2O sums into attention mass; the logits,
     the tokens kept and their accumulated scores match the torch backend's."""
     _triton_or_skip()
-    from kvcompress.cache import CompressedLayer
-    from kvcompress.kernels import mla_layer
     from kvcompress import SparsitySpec
 
     ids = torch.randint(3, 256, (1, 120), generator=torch.Generator().manual_seed(13))
     cfg = _sparse_config(deepseek, SparsitySpec(method="h2o", budget=96), "nuq4")
-    runs, kept, written = {}, {}, []
-    dense, kernel = CompressedLayer.dense, mla_layer.mla_decode_triton
-    for backend in ("torch", "triton"):
-        monkeypatch.setenv("KVCOMPRESS_KERNELS", backend)
-
-        def spy_kernel(*a, **k):
-            written.append(k.get("scores") is not None)
-            return kernel(*a, **k)
-
-        def no_dense(self):
-            raise AssertionError("the fused decode step decoded the cache")
-
-        monkeypatch.setattr(mla_layer, "mla_decode_triton", spy_kernel)
-        with kvcompress.enabled(deepseek):
-            cache = CompressedCache(deepseek.config, cfg)
-            out = deepseek(ids, **with_cache(cache))
-            steps = [out.logits[:, -1]]
-            if backend == "triton":
-                monkeypatch.setattr(CompressedLayer, "dense", no_dense)
-            for i in range(40):  # past the budget plus a page: evictions while decoding
-                out = deepseek(steps[-1].argmax(-1, keepdim=True), **with_cache(cache))
-                steps.append(out.logits[:, -1])
-            monkeypatch.setattr(CompressedLayer, "dense", dense)
-        runs[backend] = torch.stack(steps)
+    # 40 steps: past the budget plus a page, so the layers evict while decoding
+    runs, caches, calls = _fused_against_torch(deepseek, cfg, ids, 40, monkeypatch)
+    kept = {}
+    for backend, cache in caches.items():
         layer = cache.layers[-1]
         kept[backend] = (layer.sparse.positions(layer.held_tokens, layer.sink_k), layer.sparse.scores)
         assert layer.held_tokens <= 96 + layer.key_store.page_size
-    assert written and all(written)
+    assert calls and all(k.get("scores") is not None for k in calls)
     assert torch.equal(kept["triton"][0], kept["torch"][0])
     assert _rel_err(kept["triton"][1], kept["torch"][1]) < 1e-4
     assert _rel_err(runs["triton"], runs["torch"]) < 1e-4

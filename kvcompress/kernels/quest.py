@@ -11,8 +11,9 @@ logits) per query head, summed over the head's GQA group: an estimate of the att
 (batch, kv head, block of pages) reading each page summary once for the whole group), and so do
 `quest_page_mass_torch` / `quest_page_mass_triton` (the softmax per query head and the group sum: one
 program per (batch, kv head) instead of about six torch launches); `quest_page_scores` chains the two,
-`quest_select_pages` adds the top-k: on Triton in the mass kernel's launch (`quest_top_pages`, one sort
-of the row held in registers), in torch a stable sort (`quest_top_pages_torch`, the same pages).
+`quest_select_pages` adds the top-k: on Triton in the mass kernel's launch (`quest_top_pages`: the k-th
+largest mass found bit by bit over the row held in registers), in torch a stable sort
+(`quest_top_pages_torch`, the same pages).
 """
 
 from __future__ import annotations
