@@ -156,8 +156,8 @@ def mla_layer_decode(
     b, h, _ = q_latent.shape
     n_sink, n_body = layer.sink_k.shape[2], layer.key_store.n_tokens
     n_exact = n_sink + layer.tail_k.shape[2]
-    scores = [q_latent.new_full((b, h, n), float("-inf"), dtype=torch.float32) if return_mass else None
-              for n in (n_body, n_exact)]
+    # the kernels (and the twin) write every token's score when there is no page list: nothing to fill first
+    scores = [q_latent.new_empty((b, h, n), dtype=torch.float32) if return_mass else None for n in (n_body, n_exact)]
     outs, lses = [], []
     if n_body:
         body = MlaLatent.from_stores(layer.key_store, layer.value_store, q_latent.dtype)
