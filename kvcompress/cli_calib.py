@@ -9,7 +9,7 @@ import re
 
 import click
 
-from kvcompress.cli_common import load_model_or_exit
+from kvcompress.cli_common import dtype_option, load_model_or_exit
 from kvcompress.config import FP8_SHIFT_DEFAULT, FP8_SHIFTS, ConfigError
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
@@ -68,10 +68,11 @@ def _fail(e: Exception):
 @click.option("--device", default=None, help="cpu, cuda, ... (default: where the model loads).")
 @click.option("--load-in-4bit", is_flag=True, help="Load the weights in 4 bits (bitsandbytes NF4; CUDA).")
 @click.option("--load-in-8bit", is_flag=True, help="Load the weights in 8 bits (bitsandbytes LLM.int8; CUDA).")
+@dtype_option
 @click.option("--progress/--no-progress", default=True, show_default=True)
 def calibrate(model, out, text, samples, seq_len, batch_size, target_bits, memory_budget, budget_context,
               budget_batch, preset, per_head, weighting, device, progress, load_in_4bit=False, load_in_8bit=False,
-              fp8_shift=FP8_SHIFT_DEFAULT):
+              fp8_shift=FP8_SHIFT_DEFAULT, dtype="auto"):
     """Fit codebooks, key statistics, outlier thresholds and FP8 scales (and per-layer bits) for MODEL."""
     from kvcompress.calib.calibrate import CalibrationSettings
     from kvcompress.calib.calibrate import calibrate as run
@@ -90,7 +91,7 @@ def calibrate(model, out, text, samples, seq_len, batch_size, target_bits, memor
             context=parse_count(budget_context), batch=budget_batch, per_head=per_head, weighting=weighting,
             fp8_shift=fp8_shift,
         )
-        m, tok = load_model_or_exit(model, device, load_in_4bit, load_in_8bit)
+        m, tok = load_model_or_exit(model, device, load_in_4bit, load_in_8bit, dtype)
         cfg = run(m, tok, text_str, settings, progress=progress, log=click.echo)
         cfg.save(out)  # atomic: an interrupted run leaves no file behind
     except ConfigError as e:

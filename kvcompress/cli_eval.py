@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from kvcompress.cli_common import load_model_or_exit
+from kvcompress.cli_common import dtype_option, load_model_or_exit
 
 
 def _lengths(ctx, param, value: str) -> tuple[int, ...]:
@@ -42,9 +42,11 @@ def _lengths(ctx, param, value: str) -> tuple[int, ...]:
 @click.option("--device", default=None, help="cpu, cuda, ... (default: where the model loads)")
 @click.option("--load-in-4bit", is_flag=True, help="Load the weights in 4 bits (bitsandbytes NF4; CUDA).")
 @click.option("--load-in-8bit", is_flag=True, help="Load the weights in 8 bits (bitsandbytes LLM.int8; CUDA).")
+@dtype_option
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Show a progress bar.")
 def eval_command(model, presets, configs, context, windows, text_file, json_out, plot_out, passkey, passkey_lengths,
-                 passkey_seeds, passkey_template, baselines, device, progress, load_in_4bit=False, load_in_8bit=False):
+                 passkey_seeds, passkey_template, baselines, device, progress, load_in_4bit=False, load_in_8bit=False,
+                 dtype="auto"):
     """Compare the uncompressed cache with presets / configs / baselines on the same text.
 
     Prints one table: perplexity and its change vs uncompressed, passkey accuracy, KV bytes held and
@@ -70,7 +72,7 @@ def eval_command(model, presets, configs, context, windows, text_file, json_out,
         with open(text_file, encoding="utf-8") as f:
             text = f.read()
     console = Console(stderr=True)
-    m, tok = load_model_or_exit(model, device, load_in_4bit, load_in_8bit)
+    m, tok = load_model_or_exit(model, device, load_in_4bit, load_in_8bit, dtype)
     try:
         rows = evaluate(
             m, tok, presets=presets, configs=configs, baselines=baselines, context=context, windows=windows, text=text,
@@ -80,11 +82,11 @@ def eval_command(model, presets, configs, context, windows, text_file, json_out,
     except TextTooShortError as e:
         raise click.ClickException(str(e))
     over = f"the last {context - context // 2} tokens" + (f" of each of {windows} windows" if windows > 1 else "")
-    title = f"{model}: context {context}, ppl over {over}, device {m.device}"
+    title = f"{model} ({m.dtype}): context {context}, ppl over {over}, device {m.device}"
     print_results(rows, title=title)
     if json_out:
         meta = {"model": model, "context": context, "windows": windows, "text": text_file or "kvcompress/data/eval.txt",
-                "device": str(m.device), "passkey_lengths": list(passkey_lengths) if passkey else [],
+                "device": str(m.device), "dtype": str(m.dtype), "passkey_lengths": list(passkey_lengths) if passkey else [],
                 "passkey_template": passkey_template}
         write_json(json_out, {"meta": meta, "rows": rows})
         click.echo(f"wrote {json_out}")

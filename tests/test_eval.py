@@ -69,6 +69,38 @@ def test_cli_eval_over_windows(cli_uses_loaded_model, tmp_path):
     assert res.exit_code != 0 and "--windows 50" in res.output and "fit" in res.output
 
 
+def test_cli_eval_in_bfloat16(smollm2, monkeypatch, tmp_path):
+    """--dtype bfloat16 loads the model in bf16: the uncompressed cache then holds 16 bits per element and
+    a compressed cache's exact windows are bf16 too; the JSON says which dtype ran."""
+    import copy
+
+    import torch
+
+    import kvcompress.models
+
+    asked = {}
+
+    def load(name, device=None, dtype=None):
+        asked["dtype"] = dtype
+        model, tok = smollm2
+        return (copy.deepcopy(model).to(dtype) if dtype is not None else model), tok
+
+    monkeypatch.setattr(kvcompress.models, "load_model", load)
+    out = tmp_path / "out.json"
+    args = ["eval", "-p", "nuq4", "--context", "128", "--no-passkey", "--no-progress", "--dtype", "bfloat16",
+            "--json", str(out)]
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 0, res.output
+    assert asked["dtype"] is torch.bfloat16
+    data = json.loads(out.read_text())
+    assert data["meta"]["dtype"] == "torch.bfloat16"
+    ref, nuq4 = data["rows"]
+    assert ref["bits_per_element"] == 16.0 and math.isfinite(ref["ppl"])
+    assert 4.0 < nuq4["bits_per_element"] < 16.0
+    res = CliRunner().invoke(main, ["eval", "--dtype", "int8", "--no-passkey"])
+    assert res.exit_code != 0 and "float32" in res.output  # the valid choices are named
+
+
 def test_none_preset_is_token_identical(smollm2):
     model, tok = smollm2
     ids = context_ids(tok, 64)
