@@ -115,6 +115,8 @@ class SparsitySpec:
     budget_sharing (Quest): "none": every kv head reads `budget` tokens; "heads": the layer's kv heads
     share its pages (ranked across heads by their estimated attention mass); "layers": the same, and
     the sparse layers also share one step's pages (each gets a share by the previous step's estimates).
+    sinks: first tokens always kept (StreamingLLM, H2O). merge (H2O, full-precision layers): fold each evicted
+    token into its most similar kept one instead of dropping it (kvcompress.sparse.merge).
     """
 
     method: str = "none"
@@ -127,6 +129,7 @@ class SparsitySpec:
     pool_kernel: int = 7
     dense_layers: int = 0
     budget_sharing: str = "none"
+    merge: bool = False
 
     def __post_init__(self):
         if self.method not in SPARSITY_METHODS:
@@ -137,6 +140,8 @@ class SparsitySpec:
             raise ConfigError(f"unknown budget_sharing {self.budget_sharing!r}; use one of {BUDGET_SHARING}")
         if self.method != "none" and self.budget == 0 and self.ratio == 0.0:
             raise ConfigError(f"sparsity method {self.method!r} needs a token budget or a ratio of the context")
+        if self.merge and self.method != "h2o":
+            raise ConfigError(f"merge applies to H2O's evictions, not to {self.method!r}; drop merge=True")
 
     @property
     def needs_attention(self) -> bool:
@@ -165,6 +170,11 @@ class LayerPolicy:
         if self.page_size < 1 or self.residual < 0 or self.sinks < 0:
             raise ConfigError(
                 f"page_size must be >= 1 and residual, sinks >= 0; got {self.page_size}, {self.residual}, {self.sinks}"
+            )
+        if self.sparsity.merge and not (self.key.is_lossless and self.value.is_lossless):
+            raise ConfigError(
+                "H2O merge needs full-precision keys and values (a merged token cannot enter a quantized page "
+                "without re-quantizing it); use merge=False with quantization, or no quantization with merge"
             )
         for name in self.tensors:
             stream, _, tname = name.partition(".")

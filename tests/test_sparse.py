@@ -60,6 +60,7 @@ def greedy(model, cache, ids, steps, attention_mask=None):
 
 SPECS = {
     "h2o": lambda budget: SparsitySpec("h2o", budget=budget, page_size=8),
+    "h2o-merge": lambda budget: SparsitySpec("h2o", budget=budget, page_size=8, sinks=4, merge=True),
     "streaming": lambda budget: SparsitySpec("streaming", budget=budget, sinks=4, page_size=8),
     "snapkv": lambda budget: SparsitySpec("snapkv", budget=budget, observation_window=8, pool_kernel=3),
     "quest": lambda budget: SparsitySpec("quest", budget=budget, page_size=8),
@@ -383,7 +384,7 @@ def test_sparse_config_without_enable_names_the_fix(model):
     model(ids, **with_cache(CompressedCache(model.config, "nuq4")))
 
 
-@pytest.mark.parametrize("preset", ["streaming", "h2o-20", "snapkv-50", "quest-512", "nuq4+h2o-20",
+@pytest.mark.parametrize("preset", ["streaming", "h2o-20", "h2o-merge-50", "snapkv-50", "quest-512", "nuq4+h2o-20",
                                     "nuq4+quest-1024", "pyramid-h2o-20", "quest-25"])
 def test_presets_run_and_report_tokens_read(model, preset):
     cache = CompressedCache(model.config, preset)

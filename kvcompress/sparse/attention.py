@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 
+from kvcompress.sparse.merge import attention_bias
 from kvcompress.sparse.state import gather_step
 
 Backend = Callable[[torch.Tensor, object, float], tuple[torch.Tensor, torch.Tensor | None]]
@@ -30,10 +31,15 @@ def attend_torch(query: torch.Tensor, layer, scaling: float) -> tuple[torch.Tens
     g = hq // h
     outs, mass = [], None
     first_mass = q - step.mass_queries
+    bias = attention_bias(layer)  # [B, H, held]: log size of merged tokens (H2O merge), else None
+    if bias is not None and step.index is not None:
+        bias = bias.gather(2, step.index.clamp_min(0))
     for lo in range(0, q, QUERY_BLOCK):
         hi = min(lo + QUERY_BLOCK, q)
         qb = query[:, :, lo:hi].reshape(b, h, g, hi - lo, -1).float()  # [B, H, G, s, D]
         scores = torch.einsum("bhgsd,bhnd->bhgsn", qb, k.float()) * scaling  # [B, H, G, s, n]
+        if bias is not None:
+            scores = scores + bias[:, :, None, None]
         allowed = mask[:, :, None, lo:hi]  # [B, H, 1, s, n]
         scores = scores.masked_fill(~allowed, torch.finfo(torch.float32).min)
         w = torch.softmax(scores, dim=-1) * allowed  # a query that may attend nothing gets zeros

@@ -5,6 +5,8 @@ kv head). The layer keeps the newest `recent` tokens plus the highest-scoring ot
 budget, and evicts during decoding as well as after prefill: after prefill it compacts to the budget;
 while decoding it lets the layer grow by up to `page_size` tokens, then compacts again, so memory
 held stays bounded however many tokens are generated (evicted slots are freed, not masked).
+With `sinks`, the first real tokens are always kept; with `merge`, evicted tokens are folded into the kept
+ones (kvcompress.sparse.merge) instead of dropped.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from kvcompress.config import ConfigError, SparsitySpec
-from kvcompress.sparse.base import SparsePolicy, compact, recent_mask
+from kvcompress.sparse.base import SparsePolicy, compact, recent_mask, sink_mask
+from kvcompress.sparse.merge import merge_compact
 
 
 @dataclass
@@ -22,6 +25,8 @@ class H2OPolicy(SparsePolicy):
     """recent: tokens of the recent window (0: half of the budget, "half heavy, half recent")."""
 
     recent: int = 0
+    sinks: int = 0
+    merge: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -32,7 +37,8 @@ class H2OPolicy(SparsePolicy):
 
     @classmethod
     def from_spec(cls, spec: SparsitySpec) -> "H2OPolicy":
-        return cls(budget=spec.budget, ratio=spec.ratio, page_size=spec.page_size, recent=spec.recent)
+        return cls(budget=spec.budget, ratio=spec.ratio, page_size=spec.page_size, recent=spec.recent,
+                   sinks=spec.sinks, merge=spec.merge)
 
     def recent_window(self, budget: int) -> int:
         return min(self.recent, budget) if self.recent else budget // 2
@@ -49,4 +55,14 @@ class H2OPolicy(SparsePolicy):
         if held <= budget + slack:
             return
         forced = recent_mask(held, self.recent_window(budget), valid)
-        compact(layer, state, state.scores, forced, valid, budget)
+        if self.sinks:
+            forced |= sink_mask(valid, self.sinks)
+        if not self.merge:
+            compact(layer, state, state.scores, forced, valid, budget)
+        elif layer.compressed or getattr(layer, "mla_latent", False):
+            raise ConfigError(
+                f"layer {layer.layer_idx}: H2O merge needs a full-precision GQA layer (this one is "
+                f"{'an MLA latent' if getattr(layer, 'mla_latent', False) else 'quantized'}); use merge=False here"
+            )
+        else:
+            merge_compact(layer, state, state.scores, forced, valid, budget)

@@ -9,7 +9,8 @@ implementation: that raises an error naming `kvcompress.enable(model)`.
 
 Held tokens stay in position order. `pos` [B, H, held] is each held token's position (None while
 nothing was evicted: then the positions are 0..held-1); `scores` [B, H, held] is H2O's accumulated
-attention; Quest's page summaries are `page_min` / `page_max` [B, H, pages, D] in bfloat16, computed
+attention, `log_size` [B, H, held] the log of how many tokens each held token stands for once H2O
+merged evictions (kvcompress.sparse.merge); Quest's page summaries are `page_min` / `page_max` [B, H, pages, D] in bfloat16, computed
 from the full-precision keys as each page of `page_size` tokens completes and rounded outward (the min
 down, the max up), so each box still contains every key of its page. In bfloat16 they take half the
 memory and half the bandwidth of float32 summaries; every decode step reads all of them.
@@ -54,6 +55,7 @@ class SparseState:
     def reset(self) -> None:
         self.pos: torch.Tensor | None = None
         self.scores: torch.Tensor | None = None
+        self.log_size: torch.Tensor | None = None  # H2O merge: log of the tokens each held token stands for
         self.page_min: torch.Tensor | None = None
         self.page_max: torch.Tensor | None = None
         self.pending_keys: torch.Tensor | None = None
@@ -125,14 +127,14 @@ class SparseState:
 
     # -- batch edits and accounting ----------------------------------------------------------
     def map_batch(self, fn) -> None:
-        for name in ("pos", "scores", "page_min", "page_max", "pending_keys"):
+        for name in ("pos", "scores", "log_size", "page_min", "page_max", "pending_keys"):
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, fn(t))
 
     def tensors(self) -> list[torch.Tensor]:
         """Tensors held beside the K/V (positions, scores, page summaries): metadata for the memory report."""
-        names = ("pos", "scores", "page_min", "page_max", "pending_keys")
+        names = ("pos", "scores", "log_size", "page_min", "page_max", "pending_keys")
         return [getattr(self, n) for n in names if getattr(self, n) is not None]
 
 
