@@ -13,8 +13,8 @@ token and kv head (`SparseState.log_size`). Only full-precision storage merges: 
 take a merged value without re-quantizing values that are already lossy.
 
 Measured on SmolLM2-135M at 1024 tokens, 50 % of the context, 4 sinks kept (BENCHMARKS.md, "H2O with
-merged evictions"): +0.67 % / +0.13 % / +0.21 % perplexity on three windows where dropping loses +1.57 % /
-+0.91 % / +1.55 %. Merging into the recent window is part of why: barring it lost +1.50 %. At 25 % of the
+merged evictions"), 8 windows of 1024 tokens: +0.30 % perplexity on average against +0.48 % for dropping,
+less loss on 6 of the 8 windows (all 4 of eval.txt, 2 of 4 of calib.txt). Merging into the recent window is part of why: barring it lost +1.50 %. At 25 % of the
 context merging loses more than dropping (+6.7 % against +3.4 %).
 """
 
