@@ -86,7 +86,8 @@ def eval_command(model, presets, configs, context, windows, text_file, json_out,
     print_results(rows, title=title)
     if json_out:
         meta = {"model": model, "context": context, "windows": windows, "text": text_file or "kvcompress/data/eval.txt",
-                "device": str(m.device), "dtype": str(m.dtype), "passkey_lengths": list(passkey_lengths) if passkey else [],
+                "device": str(m.device), "dtype": str(m.dtype),
+                "passkey_lengths": list(passkey_lengths) if passkey else [],
                 "passkey_template": passkey_template}
         write_json(json_out, {"meta": meta, "rows": rows})
         click.echo(f"wrote {json_out}")

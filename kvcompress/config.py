@@ -173,8 +173,8 @@ class LayerPolicy:
             )
         if self.sparsity.merge and not (self.key.is_lossless and self.value.is_lossless):
             raise ConfigError(
-                "H2O merge needs full-precision keys and values (a merged token cannot enter a quantized page "
-                "without re-quantizing it); use merge=False with quantization, or no quantization with merge"
+                "H2O merge needs full-precision keys and values (a merged token cannot enter a quantized "
+                "page without re-quantizing it); use merge=False with quantization, or merge without it"
             )
         for name in self.tensors:
             stream, _, tname = name.partition(".")

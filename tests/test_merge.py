@@ -51,7 +51,8 @@ def test_merged_duplicates_attend_like_the_tokens_they_stand_for():
     layer.tail_v = torch.cat([layer.tail_v, v0[:, :, :1]], 2)
     layer.held_tokens = n + 1
     valid = torch.ones(b, h, n + 1, dtype=torch.bool)
-    merge_compact(layer, state, torch.arange(n + 1).float().neg().expand(b, h, n + 1), valid & False, valid, n)
+    first = torch.arange(n + 1).float().neg().expand(b, h, n + 1)  # keep the first n, evict the newest copy
+    merge_compact(layer, state, first, valid & False, valid, n)
     assert state.log_size.exp()[..., 0].allclose(torch.tensor(3.0))
 
 
@@ -60,7 +61,8 @@ def test_merge_conserves_the_tokens_seen_and_stays_bounded():
     budget, page, prompt, steps = 24, 8, 40, 120
     layout = ModelLayout.from_model_config(model.config)
     spec = SparsitySpec("h2o", budget=budget, page_size=page, sinks=4, merge=True)
-    cache = CompressedCache(model.config, KVCompressConfig(layout, [LayerPolicy(sparsity=spec)] * layout.num_layers))
+    cfg = KVCompressConfig(layout, [LayerPolicy(sparsity=spec)] * layout.num_layers)
+    cache = CompressedCache(model.config, cfg)
     gen = torch.Generator().manual_seed(2)
     held = []
     with torch.inference_mode(), kvcompress.enabled(model):
@@ -81,7 +83,8 @@ def test_configs_that_cannot_merge_are_refused():
     with pytest.raises(ConfigError, match="merge applies to H2O"):
         SparsitySpec("streaming", budget=64, merge=True)
     with pytest.raises(ConfigError, match="full-precision keys and values"):
-        LayerPolicy(key=QuantSpec("nuq", bits=4, axis="page"), sparsity=SparsitySpec("h2o", budget=64, merge=True))
+        LayerPolicy(key=QuantSpec("nuq", bits=4, axis="page"),
+                    sparsity=SparsitySpec("h2o", budget=64, merge=True))
 
 
 def test_torch_attention_adds_the_log_sizes():

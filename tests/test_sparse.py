@@ -384,8 +384,8 @@ def test_sparse_config_without_enable_names_the_fix(model):
     model(ids, **with_cache(CompressedCache(model.config, "nuq4")))
 
 
-@pytest.mark.parametrize("preset", ["streaming", "h2o-20", "h2o-merge-50", "snapkv-50", "quest-512", "nuq4+h2o-20",
-                                    "nuq4+quest-1024", "pyramid-h2o-20", "quest-25"])
+@pytest.mark.parametrize("preset", ["streaming", "h2o-20", "h2o-merge-50", "snapkv-50", "quest-512",
+                                    "nuq4+h2o-20", "nuq4+quest-1024", "pyramid-h2o-20", "quest-25"])
 def test_presets_run_and_report_tokens_read(model, preset):
     cache = CompressedCache(model.config, preset)
     with kvcompress.enabled(model):

@@ -60,9 +60,10 @@ class H2OPolicy(SparsePolicy):
         if not self.merge:
             compact(layer, state, state.scores, forced, valid, budget)
         elif layer.compressed or getattr(layer, "mla_latent", False):
+            kind = "an MLA latent" if getattr(layer, "mla_latent", False) else "quantized"
             raise ConfigError(
-                f"layer {layer.layer_idx}: H2O merge needs a full-precision GQA layer (this one is "
-                f"{'an MLA latent' if getattr(layer, 'mla_latent', False) else 'quantized'}); use merge=False here"
+                f"layer {layer.layer_idx}: H2O merge needs a full-precision GQA layer (this one is {kind}); "
+                "use merge=False here"
             )
         else:
             merge_compact(layer, state, state.scores, forced, valid, budget)

@@ -12,10 +12,11 @@ Memory stays bounded: the held tokens are exactly those plain H2O keeps, plus on
 token and kv head (`SparseState.log_size`). Only full-precision storage merges: a quantized page cannot
 take a merged value without re-quantizing values that are already lossy.
 
-Measured on SmolLM2-135M at 1024 tokens, 50 % of the context, 4 sinks kept (BENCHMARKS.md, "H2O with
-merged evictions"), 8 windows of 1024 tokens: +0.30 % perplexity on average against +0.48 % for dropping,
-less loss on 6 of the 8 windows (all 4 of eval.txt, 2 of 4 of calib.txt). Merging into the recent window is part of why: barring it lost +1.50 %. At 25 % of the
-context merging loses more than dropping (+6.7 % against +3.4 %).
+Measured on SmolLM2-135M, 50 % of the context, 4 sinks kept (BENCHMARKS.md, "H2O with merged
+evictions"), 8 windows of 1024 tokens: +0.30 % perplexity on average against +0.48 % for dropping, less
+loss on 6 of the 8 windows (all 4 of eval.txt, 2 of 4 of calib.txt). Merging into the recent window is
+part of why: barring it lost +1.50 % on the first window (+0.67 % allowed). At 25 % of the context merging
+loses more than dropping (+6.7 % against +3.4 %).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 
 from kvcompress.sparse.base import gather_tokens, keep_key, top_indices
 
-ROWS = 1024  # evicted tokens compared with the kept ones per block: bounds the [B, H, rows, held] similarities
+ROWS = 1024  # tokens compared with the kept ones per block: bounds the [B, H, rows, held] similarities
 
 
 def padded_log_size(state, held: int, like: torch.Tensor) -> torch.Tensor:
@@ -40,7 +41,7 @@ def padded_log_size(state, held: int, like: torch.Tensor) -> torch.Tensor:
 
 
 def attention_bias(layer) -> torch.Tensor | None:
-    """The logit bias [B, H, held] of a sparse layer that merged tokens (log of each token's size), else None."""
+    """The logit bias [B, H, held] of a sparse layer that merged tokens (each token's log size), else None."""
     state = getattr(layer, "sparse", None)
     if getattr(state, "log_size", None) is None:
         return None
@@ -49,8 +50,8 @@ def attention_bias(layer) -> torch.Tensor | None:
 
 
 def nearest_kept(keys: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """keys [B, H, N, D], keep [B, H, N] bool -> for every token, the kept token whose key is the most similar
-    (cosine) [B, H, N]; computed a block of rows at a time."""
+    """keys [B, H, N, D], keep [B, H, N] bool -> for every token, the kept token whose key is the most
+    similar (cosine) [B, H, N]; computed a block of rows at a time."""
     unit = F.normalize(keys.float(), dim=-1)
     out = []
     for lo in range(0, keys.shape[2], ROWS):
@@ -59,7 +60,9 @@ def nearest_kept(keys: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     return torch.cat(out, dim=2)
 
 
-def merge_compact(layer, state, priority: torch.Tensor, forced: torch.Tensor, valid: torch.Tensor, n_keep: int) -> None:
+def merge_compact(
+    layer, state, priority: torch.Tensor, forced: torch.Tensor, valid: torch.Tensor, n_keep: int
+) -> None:
     """`compact` for a full-precision layer, with every evicted real token merged into its nearest kept one.
 
     priority, forced, valid: [B, H, held] in held order; the kept tokens are those `compact` keeps.
@@ -76,7 +79,8 @@ def merge_compact(layer, state, priority: torch.Tensor, forced: torch.Tensor, va
     log_size = padded_log_size(state, held, key)
     size = torch.where(valid, log_size.exp(), torch.zeros_like(log_size))  # padding merges into nothing
     # padding kept to fill a short row's budget takes no merge; it stays masked
-    target = torch.where(keep, torch.arange(held, device=key.device).expand(b, h, held), nearest_kept(k, keep & valid))
+    own = torch.arange(held, device=key.device).expand(b, h, held)
+    target = torch.where(keep, own, nearest_kept(k, keep & valid))
     total = torch.zeros_like(size).scatter_add_(2, target, size)  # [B, H, held]: new size of each kept token
     denom = total.clamp_min(1e-30)[..., None]
 
@@ -87,7 +91,8 @@ def merge_compact(layer, state, priority: torch.Tensor, forced: torch.Tensor, va
     layer.tail_k = gather_tokens(merged(k).to(layer.tail_k.dtype), idx)
     layer.tail_v = gather_tokens(merged(v).to(layer.tail_v.dtype), idx)
     if state.scores is not None:
-        state.scores = torch.zeros_like(state.scores).scatter_add_(2, target, state.scores.masked_fill(~valid, 0.0))
+        real = state.scores.masked_fill(~valid, 0.0)
+        state.scores = torch.zeros_like(state.scores).scatter_add_(2, target, real)
     new_log = torch.where(total > 0, total.clamp_min(1e-30).log(), log_size)
     state.gather(idx, held)
     state.log_size = new_log.gather(2, idx)

@@ -5,8 +5,8 @@
 - h2o-merge-50: h2o-50 with 4 sinks always kept and each evicted token merged into its most similar kept
   token (size-weighted means, log-size attention bias; kvcompress.sparse.merge) instead of dropped;
   full-precision layers only. SmolLM2-135M, 8 windows of 1024 tokens (eval.txt and calib.txt): +0.30 %
-  perplexity on average against +0.48 % for h2o-50, less loss on 6 of the 8 (BENCHMARKS.md). At 25 % of the context merging
-  loses more than dropping (+6.7 % against +3.4 %), so there is no merged 20 % preset.
+  perplexity on average against +0.48 % for h2o-50, less loss on 6 of the 8 (BENCHMARKS.md). At 25 % of
+  the context merging loses more than dropping (+6.7 % against +3.4 %), so there is no merged 20 % preset.
 - snapkv-50: SnapKV keeping 50% of the prompt (window 64, pooling 5: kvpress's SnapKVPress defaults).
 - quest-512 / quest-1024 / quest-2048: Quest reading that many tokens per step (pages of 8), the
   first 2 layers dense.

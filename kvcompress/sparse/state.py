@@ -10,10 +10,11 @@ implementation: that raises an error naming `kvcompress.enable(model)`.
 Held tokens stay in position order. `pos` [B, H, held] is each held token's position (None while
 nothing was evicted: then the positions are 0..held-1); `scores` [B, H, held] is H2O's accumulated
 attention, `log_size` [B, H, held] the log of how many tokens each held token stands for once H2O
-merged evictions (kvcompress.sparse.merge); Quest's page summaries are `page_min` / `page_max` [B, H, pages, D] in bfloat16, computed
-from the full-precision keys as each page of `page_size` tokens completes and rounded outward (the min
-down, the max up), so each box still contains every key of its page. In bfloat16 they take half the
-memory and half the bandwidth of float32 summaries; every decode step reads all of them.
+merged evictions (kvcompress.sparse.merge). Quest's page summaries are `page_min` / `page_max`
+[B, H, pages, D] in bfloat16, computed from the full-precision keys as each page of `page_size` tokens
+completes and rounded outward (the min down, the max up), so each box still contains every key of its
+page. In bfloat16 they take half the memory and half the bandwidth of float32 summaries; every decode
+step reads all of them.
 """
 
 from __future__ import annotations
