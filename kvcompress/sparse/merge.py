@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from kvcompress.sparse.base import gather_tokens, keep_key, top_indices
 
-ROWS = 1024  # tokens compared with the kept ones per block: bounds the [B, H, rows, held] similarities
+SIM_ELEMENTS = 1 << 26  # float32 similarities held at once, [B, H, rows, held]: 256 MB
 
 
 def padded_log_size(state, held: int, like: torch.Tensor) -> torch.Tensor:
@@ -49,13 +49,15 @@ def attention_bias(layer) -> torch.Tensor | None:
     return padded_log_size(state, keys.shape[2], keys)
 
 
-def nearest_kept(keys: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """keys [B, H, N, D], keep [B, H, N] bool -> for every token, the kept token whose key is the most
-    similar (cosine) [B, H, N]; computed a block of rows at a time."""
+def nearest_kept(keys: torch.Tensor, rows: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """keys [B, H, N, D], rows [B, H, E] token indices, keep [B, H, N] bool -> for each of those tokens, the kept
+    token whose key is the most similar (cosine) [B, H, E]; a block of rows at a time (SIM_ELEMENTS)."""
+    b, h, n, _ = keys.shape
     unit = F.normalize(keys.float(), dim=-1)
+    block = max(1, SIM_ELEMENTS // max(b * h * n, 1))
     out = []
-    for lo in range(0, keys.shape[2], ROWS):
-        sim = unit[:, :, lo:lo + ROWS] @ unit.transpose(-1, -2)  # [B, H, rows, N]
+    for lo in range(0, rows.shape[2], block):
+        sim = gather_tokens(unit, rows[:, :, lo:lo + block]) @ unit.transpose(-1, -2)  # [B, H, rows, N]
         out.append(sim.masked_fill(~keep[:, :, None, :], -2.0).argmax(-1))
     return torch.cat(out, dim=2)
 
@@ -78,9 +80,11 @@ def merge_compact(
     k, v = layer.tail_k.float(), layer.tail_v.float()
     log_size = padded_log_size(state, held, key)
     size = torch.where(valid, log_size.exp(), torch.zeros_like(log_size))  # padding merges into nothing
-    # padding kept to fill a short row's budget takes no merge; it stays masked
-    own = torch.arange(held, device=key.device).expand(b, h, held)
-    target = torch.where(keep, own, nearest_kept(k, keep & valid))
+    # every row evicts held - n_keep tokens; only they look for a kept token, and only for a real one (padding
+    # kept to fill a short row's budget takes no merge and stays masked)
+    evicted = (~keep).float().topk(held - n_keep, dim=-1).indices  # [B, H, E]
+    target = torch.arange(held, device=key.device).expand(b, h, held).clone()
+    target.scatter_(2, evicted, nearest_kept(k, evicted, keep & valid))
     total = torch.zeros_like(size).scatter_add_(2, target, size)  # [B, H, held]: new size of each kept token
     denom = total.clamp_min(1e-30)[..., None]
 
