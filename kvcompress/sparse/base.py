@@ -111,17 +111,26 @@ def compact(
 
     priority, forced, valid: [B, H, held] in held order (sinks | body | tail).
     """
-    key = keep_key(priority, forced, valid)
-    n_keep = max(n_keep, int((forced & valid).sum(-1).max()))
     if not layer.compressed:
-        if n_keep >= layer.held_tokens:
-            return
-        idx = top_indices(key, n_keep)  # [B, H, n_keep]
-        held = layer.held_tokens
-        layer.tail_k, layer.tail_v = gather_tokens(layer.tail_k, idx), gather_tokens(layer.tail_v, idx)
-        state.gather(idx, held)
+        idx = kept_tokens(layer, priority, forced, valid, n_keep)
+        if idx is not None:
+            held = layer.held_tokens
+            layer.tail_k, layer.tail_v = gather_tokens(layer.tail_k, idx), gather_tokens(layer.tail_v, idx)
+            state.gather(idx, held)
         return
-    _compact_pages(layer, state, key, n_keep)
+    key = keep_key(priority, forced, valid)
+    _compact_pages(layer, state, key, max(n_keep, int((forced & valid).sum(-1).max())))
+
+
+def kept_tokens(
+    layer, priority: torch.Tensor, forced: torch.Tensor, valid: torch.Tensor, n_keep: int
+) -> torch.Tensor | None:
+    """Full-precision layer: the held tokens to keep [B, H, n] (sorted; every forced real one, at least
+    n_keep), or None when that is all of them."""
+    n_keep = max(n_keep, int((forced & valid).sum(-1).max()))
+    if n_keep >= layer.held_tokens:
+        return None
+    return top_indices(keep_key(priority, forced, valid), n_keep)
 
 
 def _compact_pages(layer, state, key: torch.Tensor, n_keep: int) -> None:

@@ -59,10 +59,9 @@ class H2OPolicy(SparsePolicy):
             forced |= sink_mask(valid, self.sinks)
         if not self.merge:
             compact(layer, state, state.scores, forced, valid, budget)
-        elif layer.compressed or getattr(layer, "mla_latent", False):
-            kind = "an MLA latent" if getattr(layer, "mla_latent", False) else "quantized"
+        elif getattr(layer, "mla_latent", False):  # quantized layers are refused by LayerPolicy already
             raise ConfigError(
-                f"layer {layer.layer_idx}: H2O merge needs a full-precision GQA layer (this one is {kind}); "
+                f"layer {layer.layer_idx}: H2O merge needs a GQA layer (this one holds an MLA latent); "
                 "use merge=False here"
             )
         else:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvcompress.sparse.base import gather_tokens, keep_key, top_indices
+from kvcompress.sparse.base import gather_tokens, kept_tokens
 
 SIM_ELEMENTS = 1 << 26  # float32 similarities held at once, [B, H, rows, held]: 256 MB
 
@@ -69,21 +69,18 @@ def merge_compact(
 
     priority, forced, valid: [B, H, held] in held order; the kept tokens are those `compact` keeps.
     """
-    key = keep_key(priority, forced, valid)
-    n_keep = max(n_keep, int((forced & valid).sum(-1).max()))
-    held = layer.held_tokens
-    if n_keep >= held:
+    idx = kept_tokens(layer, priority, forced, valid, n_keep)  # [B, H, n_keep]
+    if idx is None:
         return
-    idx = top_indices(key, n_keep)  # [B, H, n_keep]
-    b, h = key.shape[:2]
-    keep = torch.zeros(b, h, held, dtype=torch.bool, device=key.device).scatter_(2, idx, True)
+    (b, h, n_keep), held = idx.shape, layer.held_tokens
+    keep = torch.zeros(b, h, held, dtype=torch.bool, device=idx.device).scatter_(2, idx, True)
     k, v = layer.tail_k.float(), layer.tail_v.float()
-    log_size = padded_log_size(state, held, key)
+    log_size = padded_log_size(state, held, valid)
     size = torch.where(valid, log_size.exp(), torch.zeros_like(log_size))  # padding merges into nothing
     # every row evicts held - n_keep tokens; only they look for a kept token, and only for a real one (padding
     # kept to fill a short row's budget takes no merge and stays masked)
     evicted = (~keep).float().topk(held - n_keep, dim=-1).indices  # [B, H, E]
-    target = torch.arange(held, device=key.device).expand(b, h, held).clone()
+    target = torch.arange(held, device=idx.device).expand(b, h, held).clone()
     target.scatter_(2, evicted, nearest_kept(k, evicted, keep & valid))
     total = torch.zeros_like(size).scatter_add_(2, target, size)  # [B, H, held]: new size of each kept token
     denom = total.clamp_min(1e-30)[..., None]
