@@ -50,7 +50,8 @@ def method_spec(name: str):
     "NAME-noout": the preset without outliers (to see what they cost); "NAME-vtok": values scaled per token;
     "NAME-paged": a preset on decode_paged_triton instead of decode_phase_triton; "fp8-static": fp8 as
     `calibrate --preset fp8` makes it (static scales per head, streams shifted per channel); "NAME-pNN": pages
-    of NN tokens (nuq4-p64: the layout of the nuq4+quest-1024 preset)."""
+    of NN tokens (nuq4-p64: the layout of the nuq4+quest-1024 preset); "NAME-fp16s": a nuq preset with its
+    scales in fp16 (nuq4's are FP8, one byte)."""
     import re
     from dataclasses import replace
 
@@ -58,6 +59,9 @@ def method_spec(name: str):
     if page:
         key, value, _, sinks, tail = method_spec(name[: page.start()])
         return key, value, int(page.group(1)), sinks, tail
+    if name.endswith("-fp16s"):
+        key, value, page, sinks, tail = method_spec(name.removesuffix("-fp16s"))
+        return replace(key, scale_format="fp16"), replace(value, scale_format="fp16"), page, sinks, tail
     name = name.removesuffix("-paged").removesuffix("-static")
     p = preset_policy(name.removesuffix("-noout").removesuffix("-vtok"))
     if name.endswith("-noout"):

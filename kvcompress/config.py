@@ -26,6 +26,7 @@ FP8_SHIFT_DEFAULT = "keys"
 QUANT_AXES = ("channel", "token", "page")
 CODEBOOKS = ("gaussian", "laplace", "student_t5")
 OUTLIER_SCOPES = ("page", "token")
+SCALE_FORMATS = ("fp16", "e4m3", "e5m2")
 SPARSITY_METHODS = ("none", "streaming", "h2o", "snapkv", "quest")
 BUDGET_SHARING = ("none", "heads", "layers")  # SparsitySpec.budget_sharing (Quest)
 # Per-stream tensors a config may carry (key.<name> / value.<name>), and per-layer ones.
@@ -58,6 +59,10 @@ class QuantSpec:
     outlier_scope: where nuq's exact outliers are chosen: the largest `outlier_fraction` of each page
     ("page"), or the same number in every token ("token": a fixed count per token, which the MLA kernel
     folds into its tile instead of correcting afterwards).
+    scale_format: how a nuq stream stores its scales: "fp16" (2 bytes) or FP8 "e4m3" / "e5m2" (1 byte). On
+    axis="page" it holds each page's per-channel range (scale and zero: the zero rounded to nearest, the scale
+    then widened so the range stays covered; e4m3 clips keys beyond +-896); on axis="token" the per-token
+    scale, rounded to nearest (e5m2 reaches down to 6e-5 in normal numbers, e4m3 to 0.016).
     """
 
     method: str = "none"
@@ -71,6 +76,7 @@ class QuantSpec:
     bnb_blocksize: int = 64
     codebook: str = "gaussian"
     outlier_scope: str = "page"
+    scale_format: str = "fp16"
 
     def __post_init__(self):
         if self.method not in QUANT_METHODS:
@@ -98,6 +104,13 @@ class QuantSpec:
             )
         if self.outlier_scope not in OUTLIER_SCOPES:
             raise ConfigError(f"unknown outlier_scope {self.outlier_scope!r}; use one of {OUTLIER_SCOPES}")
+        if self.scale_format not in SCALE_FORMATS:
+            raise ConfigError(f"unknown scale_format {self.scale_format!r}; use one of {SCALE_FORMATS}")
+        if self.scale_format != "fp16" and (self.method != "nuq" or self.axis == "channel"):
+            raise ConfigError(
+                f"scale_format={self.scale_format!r} applies to method='nuq' with axis='page' or 'token', not "
+                f"method={self.method!r} axis={self.axis!r}: leave scale_format='fp16'"
+            )
         if self.codebook not in CODEBOOKS:
             raise ConfigError(f"unknown codebook {self.codebook!r}; use one of {CODEBOOKS}")
 

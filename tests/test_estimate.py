@@ -64,10 +64,10 @@ def test_preset_bits_come_from_the_codecs():
     # 64-token window + 12 tokens of the partly filled page stay in bf16
     assert r["bits_per_element"] == pytest.approx((4016 * (8 + 16 / 64) + 80 * 16) / 4096)
     r = estimate_memory(layout, KVCompressConfig.from_preset("nuq4", layout), 4 + 32 + 32 * 199, 1, torch.bfloat16)
-    # keys: 4-bit codes + a fp16 scale and zero per channel per 32-token page + 21 outliers (int16 position +
-    # fp16 value) per 32x64 page; values: 4-bit codes + a fp16 scale per token; 4 sinks and the 32-token
+    # keys: 4-bit codes + an FP8 scale and zero per channel per 32-token page + 21 outliers (int16 position +
+    # fp16 value) per 32x64 page; values: 4-bit codes + an FP8 scale per token; 4 sinks and the 32-token
     # window in bf16; plus the two float32 codebooks of 16 levels, once per layer
-    body = 4 + (32 / 32) / 2 + (16 / 64) / 2 + 21 * 32 / (32 * 64) / 2
+    body = 4 + (16 / 32) / 2 + (8 / 64) / 2 + 21 * 32 / (32 * 64) / 2
     tokens = 36 + 32 * 199
     codebooks = 2 * 16 * 32 / (tokens * 2 * (64 + 64))
     assert r["bits_per_element"] == pytest.approx((32 * 199 * body + 36 * 16) / tokens + codebooks, rel=1e-6)

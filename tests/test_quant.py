@@ -90,8 +90,8 @@ def test_pack_layout_is_little_endian_groups_of_eight():
 
 FP8 = lambda fmt: QuantSpec(method="fp8", fp8_format=fmt)  # noqa: E731
 INT = lambda b, axis: QuantSpec(method="int", bits=b, axis=axis, group_size=32 if axis == "token" else 0)  # noqa: E731
-NUQ = lambda b, axis, out=0.0, rot=False: QuantSpec(  # noqa: E731
-    method="nuq", bits=b, axis=axis, outlier_fraction=out, rotation=rot
+NUQ = lambda b, axis, out=0.0, rot=False, fmt="fp16": QuantSpec(  # noqa: E731
+    method="nuq", bits=b, axis=axis, outlier_fraction=out, rotation=rot, scale_format=fmt
 )
 
 # (id, spec, page size, gauss threshold dB, heavy threshold dB)
@@ -116,6 +116,9 @@ SQNR_CASES = [
     ("nuq3-page-out", NUQ(3, "page", 0.01), 32, 15.9, 14.8),  # measured 16.28 / 15.20
     ("nuq4-page", NUQ(4, "page"), 32, 21.8, 19.7),  # measured 22.13 / 20.15
     ("nuq4-page-out", NUQ(4, "page", 0.01), 32, 22.6, 21.5),  # measured 22.92 / 21.95
+    # the same with one-byte page ranges (FP8 zero and scale, both rounded to nearest): -0.14 / -0.46 dB
+    ("nuq4-page-out-e4m3", NUQ(4, "page", 0.01, fmt="e4m3"), 32, 22.4, 21.3),  # measured 22.78 / 21.71
+    ("nuq4-page-out-e5m2", NUQ(4, "page", 0.01, fmt="e5m2"), 32, 22.1, 20.9),  # measured 22.46 / 21.30
     # nuq, Gaussian Lloyd-Max codebook, pages of 64 tokens
     ("nuq2-channel", NUQ(2, "channel"), 64, 9.0, 5.6),  # measured 9.32 / 6.06
     ("nuq3-channel", NUQ(3, "channel"), 64, 14.3, 8.7),  # measured 14.63 / 9.12
@@ -123,6 +126,7 @@ SQNR_CASES = [
     ("nuq2-token", NUQ(2, "token"), 64, 9.0, 1.5),  # measured 9.40 / 1.93
     ("nuq3-token", NUQ(3, "token"), 64, 14.4, 3.4),  # measured 14.72 / 3.85
     ("nuq4-token", NUQ(4, "token"), 64, 20.0, 4.9),  # measured 20.38 / 5.36
+    ("nuq4-token-e5m2", NUQ(4, "token", fmt="e5m2"), 64, 20.0, 4.9),  # one-byte scales: measured 20.33 / 5.32
     # 1% outliers kept exactly: the Gaussian tails beyond the outer levels are no longer clipped (+0.6-0.9 dB)
     ("nuq2-channel-out", NUQ(2, "channel", 0.01), 64, 9.8, 8.8),  # measured 10.12 / 9.27
     ("nuq3-channel-out", NUQ(3, "channel", 0.01), 64, 15.2, 14.0),  # measured 15.50 / 14.46
@@ -284,8 +288,8 @@ def filled_cache(preset: str, tokens: int, dtype=torch.float32) -> CompressedCac
 
 # Measured at 2048 tokens in float32 (SmolLM2's dtype), bits per element all-in:
 # int4 6.69 = codes 3.75 + fp16 scale/zero 0.94 + 128-token residual window 2.0 (ratio 0.209);
-# nuq4 5.32 = codes 3.875 + outliers 0.31 + value scales 0.12 + channel stats / codebooks 0.02
-#             + window 1.0 (4 sinks + 60 tail tokens) (ratio 0.166).
+# nuq4 4.91 = codes 3.94 + metadata 0.47 (one-byte key page ranges 0.25, key outliers 0.16, one-byte value
+#             scales 0.06) + window 0.5 (4 sinks + 28 tail tokens) (ratio 0.153; in bf16 4.66 bits, 0.291).
 @pytest.mark.parametrize("preset,max_ratio", [("int4", 0.30), ("nuq4", 0.30)])
 def test_4bit_cache_holds_at_most_30_percent(preset, max_ratio):
     report = filled_cache(preset, 2048).memory_report()
@@ -357,3 +361,46 @@ def test_fp8_shift_of_another_shape_is_refused():
     x = DATA["gauss"]
     with pytest.raises(ConfigError, match=r"shift must be \[kv heads, head dim\] = \[2, 64\].*calibrate"):
         codec_for(FP8("e4m3"), 16, x, {"shift": torch.zeros(3, 64), "scale": torch.ones(2)})
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_one_byte_page_ranges_stay_within_half_a_step_of_the_range(fmt):
+    """FP8 page ranges (page_range.py): the zero is the FP8 value nearest the range's middle, the scale the
+    FP8 value nearest the half-width from that zero, so the page's ends fall outside the stored range by at
+    most half an FP8 step of the scale; channels far from 0 (a mean of 40 half-widths) stay within it too."""
+    from kvcompress.quant.page_range import FP8, page_range
+
+    g = torch.Generator().manual_seed(3)
+    mid = torch.cat([torch.randn(500, generator=g), 40 * torch.rand(500, generator=g) + 1])
+    half = torch.rand(1000, generator=g) + 0.05
+    lo, hi = mid - half, mid + half
+    scale, zero = page_range(lo, hi, fmt)
+    assert scale.dtype == zero.dtype == FP8[fmt] and scale.element_size() == 1
+    s, z = scale.float(), zero.float()
+    mant = 3 if fmt == "e4m3" else 2
+    assert torch.equal(zero, mid.to(FP8[fmt]))  # nearest
+    reach = torch.maximum(hi - z, z - lo)
+    assert (reach <= s * (1 + 2.0 ** -(mant + 1)) + 1e-6).all()  # ends within half an FP8 step
+    assert (s <= reach * (1 + 2.0 ** -(mant + 1)) + 1e-6).all()  # and the scale no wider than nearest
+
+
+def test_scale_format_is_checked():
+    with pytest.raises(Exception, match="scale_format"):
+        QuantSpec(method="nuq", bits=4, axis="page", scale_format="e3m4")
+    with pytest.raises(Exception, match="applies to method='nuq'"):
+        QuantSpec(method="int", bits=4, axis="channel", scale_format="e4m3")
+    with pytest.raises(Exception, match="applies to method='nuq'"):
+        QuantSpec(method="nuq", bits=4, axis="channel", scale_format="e4m3")
+
+
+def test_one_byte_scales_halve_the_metadata():
+    """A nuq4 stream with FP8 scales stores its page ranges (keys) or token scales (values) in half the
+    bytes, and `Codec.bits` says so."""
+    x = heavy_keys((1, 2, 128, 64), 5)
+    for axis, saved in (("page", 16.0 / 32), ("token", 8.0 / 64)):
+        wide = codec_for(NUQ(4, axis, 0.01), 32, x)
+        narrow = codec_for(NUQ(4, axis, 0.01, fmt="e4m3"), 32, x)
+        fw, fn = wide.encode(x, wide.prepare(x)), narrow.encode(x, narrow.prepare(x))
+        nbytes = lambda f: sum(t.numel() * t.element_size() for t in f.values())  # noqa: E731
+        assert 8 * (nbytes(fw) - nbytes(fn)) / x.numel() == pytest.approx(saved)
+        assert wide.bits - narrow.bits == pytest.approx(saved)

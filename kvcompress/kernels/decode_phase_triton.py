@@ -60,8 +60,9 @@ def phase_supported(key: StreamArgs, value: StreamArgs, dk: int, dv: int) -> boo
         return False
     if key.kind == KIND_INT and (key.n_outliers or not value.has_zero):
         return False
-    if key.kind == KIND_NUQ and (value.group != dv or key.rotation_signs is not None
-                                 or value.rotation_signs is not None):
+    # rotated values are attended in the rotated basis: the launcher rotates the exact parts and unrotates
+    # the output, so the kernel reads them as any per-token stream (rotated keys have per-token scales)
+    if key.kind == KIND_NUQ and (value.group != dv or key.rotation_signs is not None):
         return False
     if key.scale_strides[3] != 1 or value.scale_strides[3] not in (0, 1):
         return False  # the kernel reads scales as unit-stride channels (groups); the codecs store them so

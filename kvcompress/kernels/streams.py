@@ -121,11 +121,12 @@ def stream_args(codec: Codec, data: dict[str, torch.Tensor], row: dict[str, torc
             strides = (scale.stride(0), scale.stride(1), 0, scale.stride(3))
         a.update(scale=scale, zero=mean, has_zero=True, scale_at=SCALE_ROW, group=1, scale_strides=strides)
     elif codec.axis == "page":
-        _same_strides(data["scale"], data["zero"], "scale", "zero")
-        a.update(scale=data["scale"], zero=data["zero"], has_zero=True, scale_at=SCALE_PAGE, group=1,
-                 scale_strides=_strides4(data["scale"]))
+        scale, zero = codec.scales(data)  # FP8 ones viewed from their stored bytes: the kernel loads the FP8 dtype
+        _same_strides(scale, zero, "scale", "zero")
+        a.update(scale=scale, zero=zero, has_zero=True, scale_at=SCALE_PAGE, group=1, scale_strides=_strides4(scale))
     else:
-        a.update(scale=data["scale"], scale_at=SCALE_TOKEN, group=d, scale_strides=_strides4(data["scale"]))
+        scale = codec.scales(data)[0]
+        a.update(scale=scale, scale_at=SCALE_TOKEN, group=d, scale_strides=_strides4(scale))
     if codec.n_outliers:
         _same_strides(data["outlier_idx"], data["outlier_val"], "outlier_idx", "outlier_val")
         a.update(outlier_idx=data["outlier_idx"], outlier_val=data["outlier_val"], n_outliers=codec.n_outliers)

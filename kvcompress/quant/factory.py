@@ -50,6 +50,7 @@ def make_codec(
             axis=spec.axis,
             outlier_fraction=spec.outlier_fraction,
             outlier_scope=spec.outlier_scope,
+            scale_format=spec.scale_format,
             codebook=tensors.get("codebook"),
             default_codebook=spec.codebook,
             rotation_signs=signs if spec.rotation else None,

@@ -6,7 +6,8 @@ Each element is normalised, then coded as the index of the nearest of 2**b codeb
 - axis="channel" (keys): u = (x - mean_c) / scale_c, with per-channel statistics either calibrated
   (shared [H, D]) or measured on the tokens present at the first flush and then frozen (ROW fields).
 - axis="page" (keys): per page and channel, the range [lo, hi] of the non-outlier elements, stored
-  as scale = (hi - lo) / 2 and zero = (hi + lo) / 2 in fp16; u = (x - zero) / scale in [-1, 1].
+  as scale = (hi - lo) / 2 and zero = (hi + lo) / 2 in fp16 or FP8 e4m3 (page_range.py); u = (x - zero) / scale
+  in [-1, 1].
   Post-RoPE keys drift along the sequence, so a range per page follows them where frozen statistics
   cannot (measured on SmolLM2 keys: 27.6 dB against 21.0 dB for frozen per-channel statistics at
   4 bits, pages of 64, 1% outliers). The default codebook here is
@@ -31,6 +32,7 @@ import torch
 from kvcompress.quant.base import Codec, FieldKind, Role
 from kvcompress.quant.codebook import default_codebook, nearest_level
 from kvcompress.quant.pack import pack, packed_width, unpack
+from kvcompress.quant.page_range import as_float8, as_stored, page_range, token_scale
 from kvcompress.quant.rotation import rotate, unrotate
 
 
@@ -46,6 +48,7 @@ class NuqCodec(Codec):
     channel_scale: torch.Tensor | None = None  # [H, D] calibrated
     outlier_dtype: torch.dtype = torch.float16
     default_codebook: str = "gaussian"  # one of config.CODEBOOKS: levels used when none are given
+    scale_format: str = "fp16"  # how scales (and page zeros) are stored: "fp16", "e4m3" or "e5m2" (page_range)
 
     def __post_init__(self):
         if self.codebook is None:
@@ -146,10 +149,9 @@ class NuqCodec(Codec):
             big = torch.finfo(torch.float32).max
             lo = torch.where(mp, big, xp).amin(3)  # [B, H, n_pages, D]
             hi = torch.where(mp, -big, xp).amax(3)
-            # stored as x = u * scale + zero (the form the fused kernels read), fp16
-            scale = ((hi - lo) / 2).clamp_min(1e-5).to(torch.float16)
-            zero = ((hi + lo) / 2).to(torch.float16)
-            out["scale"], out["zero"] = scale, zero
+            # stored as x = u * scale + zero (the form the fused kernels read)
+            scale, zero = page_range(lo, hi, self.scale_format)
+            out["scale"], out["zero"] = as_stored(scale), as_stored(zero)
             u = _to_unit(xp, scale, zero).reshape(b, h, n, d)
         else:
             rms = xf.pow(2).mean(-1, keepdim=True).sqrt()
@@ -157,8 +159,8 @@ class NuqCodec(Codec):
                 mask = self._outlier_mask(xf / rms.clamp_min(1e-6), out, xf)
                 keep = (~mask).float()
                 rms = ((xf.pow(2) * keep).sum(-1, keepdim=True) / keep.sum(-1, keepdim=True).clamp_min(1)).sqrt()
-            scale = rms.clamp_min(1e-6).to(torch.float16)
-            out["scale"] = scale
+            scale = token_scale(rms.clamp_min(1e-6), self.scale_format)
+            out["scale"] = as_stored(scale)
             u = xf / scale.float()
         out["codes"] = pack(self._nearest(u), self.nbits)
         return out
@@ -199,11 +201,12 @@ class NuqCodec(Codec):
             mean, scale = self._channel_stats(row, q.device)
             x = u * scale + mean
         elif self.axis == "page":
-            scale, zero = f["scale"].float().unsqueeze(3), f["zero"].float().unsqueeze(3)
+            scale, zero = self.scales(f)
+            scale, zero = scale.float().unsqueeze(3), zero.float().unsqueeze(3)
             up = u.reshape(b, h, n // self.page_size, self.page_size, d)
             x = (up * scale + zero).reshape(b, h, n, d)
         else:
-            x = u * f["scale"].float()
+            x = u * self.scales(f)[0].float()
         if "outlier_idx" in f:
             pages = n // self.page_size
             x = x.reshape(b, h, pages, -1).scatter(-1, f["outlier_idx"].long(), f["outlier_val"].float())
@@ -212,19 +215,25 @@ class NuqCodec(Codec):
             x = unrotate(x, self.rotation_signs.to(x.device))
         return x.to(dtype)
 
+    def scales(self, f: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(scale, zero or None) of stored fields in their real dtype (FP8 ones are held as uint8)."""
+        zero = f.get("zero")
+        return as_float8(f["scale"], self.scale_format), None if zero is None else as_float8(zero, self.scale_format)
+
     @property
     def bits(self):
         b = packed_width(self.head_dim, self.nbits) * 8 / self.head_dim
+        scale_bits = 16.0 if self.scale_format == "fp16" else 8.0
         if self.axis == "token":
-            b += 16.0 / self.head_dim
+            b += scale_bits / self.head_dim
         elif self.axis == "page":
-            b += 32.0 / self.page_size
+            b += 2 * scale_bits / self.page_size
         idx_bits = 16 if self._idx_dtype == torch.int16 else 32
         b += self.n_outliers * (idx_bits + torch.finfo(self.outlier_dtype).bits) / (self.page_size * self.head_dim)
         return b
 
 
 def _to_unit(xp: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-    """[B, H, n, P, D] -> (x - zero) / scale in [-1, 1], with scale / zero [B, H, n, D] (fp16 as stored)."""
+    """[B, H, n, P, D] -> (x - zero) / scale in [-1, 1], with scale / zero [B, H, n, D] (as stored)."""
     scale, zero = scale.float().unsqueeze(3), zero.float().unsqueeze(3)
     return ((xp - zero) / scale).clamp(-1.0, 1.0)

@@ -13,12 +13,15 @@ import torch
 
 
 @functools.lru_cache(maxsize=None)
-def _hadamard(d: int) -> torch.Tensor:
+def _hadamard(d: int, device: torch.device) -> torch.Tensor:
+    """The normalised [d, d] Sylvester matrix, made once per device: a decode step rotates the exact parts
+    and the output at every step, and a host-to-device copy of it there would stall the step (and cannot
+    be captured in a CUDA graph)."""
     assert d > 0 and d & (d - 1) == 0, f"the Hadamard rotation needs a power-of-two head dim, got {d}"
     h = torch.ones(1, 1)
     while h.shape[0] < d:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return h / d**0.5
+    return (h / d**0.5).to(device)
 
 
 def random_signs(d: int, seed: int) -> torch.Tensor:
@@ -28,7 +31,7 @@ def random_signs(d: int, seed: int) -> torch.Tensor:
 
 def rotation_matrix(signs: torch.Tensor) -> torch.Tensor:
     """[D, D] orthogonal R with rotate(x) = x @ R."""
-    h = _hadamard(signs.numel()).to(signs.device)
+    h = _hadamard(signs.numel(), signs.device)
     return signs[:, None].to(h.dtype) * h  # diag(s) @ H (H symmetric)
 
 
