@@ -108,8 +108,8 @@ class QuantSpec:
             raise ConfigError(f"unknown scale_format {self.scale_format!r}; use one of {SCALE_FORMATS}")
         if self.scale_format != "fp16" and (self.method != "nuq" or self.axis == "channel"):
             raise ConfigError(
-                f"scale_format={self.scale_format!r} applies to method='nuq' with axis='page' or 'token', not "
-                f"method={self.method!r} axis={self.axis!r}: leave scale_format='fp16'"
+                f"scale_format={self.scale_format!r} applies to method='nuq' with axis='page' or 'token', "
+                f"not method={self.method!r} axis={self.axis!r}: leave scale_format='fp16'"
             )
         if self.codebook not in CODEBOOKS:
             raise ConfigError(f"unknown codebook {self.codebook!r}; use one of {CODEBOOKS}")

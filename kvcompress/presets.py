@@ -71,8 +71,8 @@ def _nuq(bits: int, outliers: float = 0.01) -> LayerFn:
     # At 3 and 2 bits (2026-12-01, bf16 model, means over 4 windows of 1024 tokens, BENCHMARKS.md) values
     # Hadamard-rotated onto a Gaussian codebook (TurboQuant) lose less than Laplace levels with 1% outliers:
     # nuq3 +0.63% against +1.04%, and with 2% key outliers +0.36%; nuq2 +5.0% against +8.1%.
-    key = QuantSpec(method="nuq", bits=bits, axis="page", outlier_fraction=2 * outliers if bits == 3 else outliers,
-                    scale_format="e4m3")
+    key_outliers = 2 * outliers if bits == 3 else outliers
+    key = QuantSpec(method="nuq", bits=bits, axis="page", outlier_fraction=key_outliers, scale_format="e4m3")
     value = QuantSpec(method="nuq", bits=bits, axis="token", rotation=True, scale_format="e5m2")
     return _uniform(LayerPolicy(key=key, value=value, page_size=32 if bits == 3 else 16, residual=32, sinks=8))
 

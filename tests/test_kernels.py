@@ -322,8 +322,8 @@ def test_tail_length_on_the_device(name):
 def test_phase_kernel_is_used_and_equals_the_others(name, d, lut, monkeypatch):
     """2/4-bit caches with keys per page (KIVI int, the nuq presets' layout with key outliers, values
     Hadamard-rotated) go through decode_phase_triton (a spy on its launch says so; int8 / int3 / nuq3 /
-    per-channel nuq keys do not); on GQA 1 / 3 / 8, ragged rows, pages of 16 in tiles of 32 and a page list, it equals the twin and the
-    paged kernel it replaces (phase_kernel=False)."""
+    per-channel nuq keys do not); on GQA 1 / 3 / 8, ragged rows, pages of 16 in tiles of 32 and a page
+    list, it equals the twin and the paged kernel it replaces (phase_kernel=False)."""
     from kvcompress.kernels import decode_phase_triton as phase
     from kvcompress.kernels.decode_attention_triton import decode_attention_triton
 

@@ -121,9 +121,10 @@ def stream_args(codec: Codec, data: dict[str, torch.Tensor], row: dict[str, torc
             strides = (scale.stride(0), scale.stride(1), 0, scale.stride(3))
         a.update(scale=scale, zero=mean, has_zero=True, scale_at=SCALE_ROW, group=1, scale_strides=strides)
     elif codec.axis == "page":
-        scale, zero = codec.scales(data)  # FP8 ones viewed from their stored bytes: the kernel loads the FP8 dtype
+        scale, zero = codec.scales(data)  # FP8 ones viewed from their stored bytes: the kernel loads FP8
         _same_strides(scale, zero, "scale", "zero")
-        a.update(scale=scale, zero=zero, has_zero=True, scale_at=SCALE_PAGE, group=1, scale_strides=_strides4(scale))
+        a.update(scale=scale, zero=zero, has_zero=True, scale_at=SCALE_PAGE, group=1,
+                 scale_strides=_strides4(scale))
     else:
         scale = codec.scales(data)[0]
         a.update(scale=scale, scale_at=SCALE_TOKEN, group=d, scale_strides=_strides4(scale))

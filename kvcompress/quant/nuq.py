@@ -6,8 +6,8 @@ Each element is normalised, then coded as the index of the nearest of 2**b codeb
 - axis="channel" (keys): u = (x - mean_c) / scale_c, with per-channel statistics either calibrated
   (shared [H, D]) or measured on the tokens present at the first flush and then frozen (ROW fields).
 - axis="page" (keys): per page and channel, the range [lo, hi] of the non-outlier elements, stored
-  as scale = (hi - lo) / 2 and zero = (hi + lo) / 2 in fp16 or FP8 e4m3 (page_range.py); u = (x - zero) / scale
-  in [-1, 1].
+  as scale = (hi - lo) / 2 and zero = (hi + lo) / 2 in fp16 or FP8 (page_range.py);
+  u = (x - zero) / scale in [-1, 1].
   Post-RoPE keys drift along the sequence, so a range per page follows them where frozen statistics
   cannot (measured on SmolLM2 keys: 27.6 dB against 21.0 dB for frozen per-channel statistics at
   4 bits, pages of 64, 1% outliers). The default codebook here is
@@ -48,7 +48,7 @@ class NuqCodec(Codec):
     channel_scale: torch.Tensor | None = None  # [H, D] calibrated
     outlier_dtype: torch.dtype = torch.float16
     default_codebook: str = "gaussian"  # one of config.CODEBOOKS: levels used when none are given
-    scale_format: str = "fp16"  # how scales (and page zeros) are stored: "fp16", "e4m3" or "e5m2" (page_range)
+    scale_format: str = "fp16"  # how scales (and page zeros) are stored: "fp16", "e4m3", "e5m2" (page_range)
 
     def __post_init__(self):
         if self.codebook is None:
@@ -218,7 +218,8 @@ class NuqCodec(Codec):
     def scales(self, f: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(scale, zero or None) of stored fields in their real dtype (FP8 ones are held as uint8)."""
         zero = f.get("zero")
-        return as_float8(f["scale"], self.scale_format), None if zero is None else as_float8(zero, self.scale_format)
+        fmt = self.scale_format
+        return as_float8(f["scale"], fmt), None if zero is None else as_float8(zero, fmt)
 
     @property
     def bits(self):

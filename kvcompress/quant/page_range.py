@@ -75,7 +75,7 @@ def _warn_clipped(amax: float, fmt: str, fmax: float) -> None:
     if not _warned:
         _warned = True
         warnings.warn(
-            f"keys reach |x| = {amax:.1f}, beyond what {fmt} page ranges hold (zero and scale up to {fmax:g}): "
-            f"the largest are clipped. Use scale_format='fp16' for this model's keys.",
+            f"keys reach |x| = {amax:.1f}, beyond what {fmt} page ranges hold (zero and scale up to "
+            f"{fmax:g}): the largest are clipped. Use scale_format='fp16' for this model's keys.",
             stacklevel=3,
         )
