@@ -8,8 +8,8 @@ Sliding-window layers always stay exact (they are bounded already). Quantization
   post-RoPE keys drift, so a range per page follows them) with 1% outliers per page kept exactly; values
   normalised per token with a Lloyd-Max codebook (until calibrated): nuq4 a Student-t (5 dof) one and no
   value outliers, 4 exact sinks and the newest 16 tokens exact; nuq3 / nuq2 values Hadamard-rotated onto
-  a Gaussian one (TurboQuant), no value outliers, 2% key outliers for nuq3, 8 sinks and the newest 32
-  exact. Every nuq scale is one byte (FP8 e4m3 key page ranges, e5m2 value scales).
+  a Gaussian one (TurboQuant), no value outliers, 2% key outliers for nuq3, 8 sinks and the newest 64
+  (nuq3) or 32 (nuq2) exact. Every nuq scale is one byte (FP8 e4m3 key page ranges, e5m2 value scales).
 - nuq4-rot: randomized Hadamard rotation then a per-token Gaussian codebook (TurboQuant), no outliers.
 - k8v4: FP8 keys with nuq4 values.
 On an MLA layout (key slot = latent kv_nope, value slot = shared RoPE key k_rot) nuq4/nuq3/nuq2 quantize
@@ -64,17 +64,30 @@ def _nuq(bits: int, outliers: float = 0.01) -> LayerFn:
     # values did better still (below).
     # One-byte scales at 4 bits (2026-12-01, bf16 model, 2048 tokens): FP8 e4m3 page ranges for keys and
     # e5m2 token scales for values take 4.96 -> 4.65 bits per element all-in, -0.23% -> -0.71% ppl.
+    key, value = nuq_specs(bits, outliers)
+    if bits == 4:
+        return _uniform(LayerPolicy(key=key, value=value, page_size=32, residual=16, sinks=4))
+    # nuq3 keeps the newest 64 tokens exact (bf16 model, BENCHMARKS.md "nuq3 with a 64-token exact window"):
+    # +0.136% at 4096 (32 tokens: +0.441%, quanto int4 +0.267%), +0.890% at 2048 (+1.454%; quanto +1.166%),
+    # +0.215% over 4 windows of 1024 (+0.361%), for 0.10 more bits per element at 4096.
+    if bits == 3:
+        return _uniform(LayerPolicy(key=key, value=value, page_size=32, residual=64, sinks=8))
+    return _uniform(LayerPolicy(key=key, value=value, page_size=16, residual=32, sinks=8))
+
+
+def nuq_specs(bits: int, outliers: float = 0.01) -> tuple[QuantSpec, QuantSpec]:
+    """The (key, value) QuantSpecs of the nuq{bits} preset; calibration's mixed choices use them too."""
     if bits == 4:
         key = QuantSpec(method="nuq", bits=bits, axis="page", outlier_fraction=outliers, scale_format="e4m3")
         value = QuantSpec(method="nuq", bits=bits, axis="token", codebook="student_t5", scale_format="e5m2")
-        return _uniform(LayerPolicy(key=key, value=value, page_size=32, residual=16, sinks=4))
+        return key, value
     # At 3 and 2 bits (2026-12-01, bf16 model, means over 4 windows of 1024 tokens, BENCHMARKS.md) values
     # Hadamard-rotated onto a Gaussian codebook (TurboQuant) lose less than Laplace levels with 1% outliers:
     # nuq3 +0.63% against +1.04%, and with 2% key outliers +0.36%; nuq2 +5.0% against +8.1%.
     key_outliers = 2 * outliers if bits == 3 else outliers
     key = QuantSpec(method="nuq", bits=bits, axis="page", outlier_fraction=key_outliers, scale_format="e4m3")
     value = QuantSpec(method="nuq", bits=bits, axis="token", rotation=True, scale_format="e5m2")
-    return _uniform(LayerPolicy(key=key, value=value, page_size=32 if bits == 3 else 16, residual=32, sinks=8))
+    return key, value
 
 
 def _nuq_rot(bits: int) -> LayerFn:

@@ -20,7 +20,9 @@ from kvcompress.kernels.backend import select_backend
 from kvcompress.kernels.decode_attention import decode_attention_torch, layer_decode_attention
 from kvcompress.kernels.parts import AttentionParts, PackedStream
 from kvcompress.kernels.quest import quest_select_pages
+from kvcompress.presets import nuq_specs
 from kvcompress.quant.factory import make_codec
+from kvcompress.quant.rotation import random_signs
 
 try:  # without a GPU the Triton side runs in Triton's interpreter (TRITON_INTERPRET=1, set by conftest.py)
     import triton  # noqa: F401
@@ -69,7 +71,20 @@ SPECS = {
     "fp8-shift-k": (QuantSpec(method="fp8"), QuantSpec(method="nuq", bits=4, axis="token")),
     # what `calibrate --preset fp8` writes by default: keys shifted, values with static scales only
     "fp8-shift-kstatic": (QuantSpec(method="fp8"), QuantSpec(method="fp8")),
+    # what `calibrate --preset nuq3 / nuq2` writes: the presets' streams, rotated values on fitted levels
+    # per kv head with the rotation's signs (nuq3 reads through the paged kernel, nuq2 the phase kernel)
+    "nuq3-cal": nuq_specs(3),
+    "nuq2-cal": nuq_specs(2),
 }
+
+
+def _rotated_value_tensors(stream, hkv, d, bits):
+    """Calibration-like tensors of a rotated value stream: sorted levels per kv head, the rotation's signs."""
+    if stream == 0:
+        return {}
+    g = torch.Generator().manual_seed(60 + bits)
+    levels = torch.sort(torch.randn(hkv, 2**bits, generator=g) * 1.5, dim=-1).values
+    return {"codebook": levels, "rotation_signs": random_signs(d, 61)}
 
 
 def _fp8_shift_tensors(stream, hkv, d):
@@ -85,6 +100,8 @@ TENSORS = {
     "fp8-shift-k": lambda s, hkv, d: _fp8_shift_tensors(s, hkv, d) if s == 0 else {},
     "fp8-shift-kstatic": lambda s, hkv, d: (_fp8_shift_tensors(s, hkv, d) if s == 0 else
                                             {"scale": _fp8_shift_tensors(s, hkv, d)["scale"] * 3}),
+    "nuq3-cal": lambda s, hkv, d: _rotated_value_tensors(s, hkv, d, 3),
+    "nuq2-cal": lambda s, hkv, d: _rotated_value_tensors(s, hkv, d, 2),
 }
 
 
@@ -522,7 +539,7 @@ def test_import_needs_no_triton():
 
 # -- page encode (append) -------------------------------------------------------------------------------
 # fp8 e4m3 pages are encoded by torch (kernels/page_encode.py says why)
-ENCODE_SPECS = [QuantSpec(method="fp8", fp8_format="e5m2"),
+ENCODE_SPECS = [QuantSpec(method="fp8", fp8_format="e5m2"), QuantSpec(method="fp8", fp8_format="e4m3"),
                 QuantSpec(method="int", bits=4, axis="channel"), QuantSpec(method="int", bits=2, group_size=32),
                 QuantSpec(method="int", bits=8)]
 
@@ -530,12 +547,56 @@ ENCODE_SPECS = [QuantSpec(method="fp8", fp8_format="e5m2"),
 @needs_triton
 @pytest.mark.parametrize("spec", ENCODE_SPECS, ids=lambda s: f"{s.method}{s.bits}-{s.axis}-{s.fp8_format}")
 def test_triton_page_encode_is_bit_exact(spec):
-    """The Triton page encoder writes exactly the codec's fields (codes, fp16 scales, zeros)."""
+    """The Triton page encoder writes exactly the codec's fields (codes, fp16 scales, zeros), down to the
+    sign of a zero: channels spread over six decades, so FP8 codes include subnormals and negative
+    elements that round to -0 (0x80), and a few exact zeros of both signs."""
     from kvcompress.kernels.page_encode import encode_pages_triton
 
     codec = make_codec(spec, page_size=16, head_dim=64, num_heads=2, dtype=torch.bfloat16, tensors={}, seed=0)
-    x = (torch.randn(2, 2, 32, 64, generator=torch.Generator().manual_seed(17)) * 3).to(torch.bfloat16)
+    g = torch.Generator().manual_seed(17)
+    x = (torch.randn(2, 2, 32, 64, generator=g) * torch.logspace(-5, 1, 64)).to(torch.bfloat16)
+    x[0, 0, :4, 3], x[1, 1, 5:9, 7] = 0.0, -0.0
     want, got = codec.encode(x, {}), encode_pages_triton(codec, x, {})
     assert want.keys() == got.keys()
     for name in want:
         assert torch.equal(want[name], got[name]), name
+
+
+def test_triton_encoder_takes_only_what_it_handles():
+    from kvcompress.kernels.page_encode import triton_encodes
+
+    def fp8(**kw):
+        return make_codec(QuantSpec(method="fp8"), page_size=kw.pop("page", 16), head_dim=64, num_heads=2,
+                          dtype=torch.float32, tensors=kw, seed=0)
+
+    assert triton_encodes(fp8())
+    assert not triton_encodes(fp8(page=48))  # the kernel's tiles are powers of two
+    assert not triton_encodes(fp8(scale=torch.ones(2)))  # static scales: the codec's torch encode
+    assert not triton_encodes(make_codec(SPECS["nuq4-kout"][0], page_size=16, head_dim=64, num_heads=2,
+                                         dtype=torch.float32, tensors={}, seed=0))
+
+
+@needs_triton
+def test_cache_pages_go_through_the_selected_encoder(monkeypatch):
+    """With the Triton backend selected, a layer's pages are encoded by the Triton encoder (FP8 here), and
+    hold exactly what the torch backend's layer holds."""
+    from kvcompress.cache import CompressedLayer
+    from kvcompress.config import LayerPolicy
+    from kvcompress.kernels import page_encode
+
+    calls = []
+    real = page_encode.encode_pages_triton
+    monkeypatch.setattr(page_encode, "encode_pages_triton", lambda *a: calls.append(1) or real(*a))
+    g = torch.Generator().manual_seed(70)
+    k, v = torch.randn(2, 2, 40, 64, generator=g), torch.randn(2, 2, 40, 64, generator=g)
+    stored = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv("KVCOMPRESS_KERNELS", backend)
+        layer = CompressedLayer(LayerPolicy(key=QuantSpec(method="fp8"), value=QuantSpec(method="fp8"),
+                                            page_size=16, sinks=2, residual=4))
+        layer.update(k, v)
+        stored[backend] = dict(layer.key_store.data)
+    assert len(calls) == 2  # the triton run's keys and values, none for the torch run
+    assert stored["torch"].keys() == stored["triton"].keys()
+    for name in stored["torch"]:
+        assert torch.equal(stored["torch"][name], stored["triton"][name]), name

@@ -384,6 +384,28 @@ def test_one_byte_page_ranges_stay_within_half_a_step_of_the_range(fmt):
     assert (s <= reach * (1 + 2.0 ** -(mant + 1)) + 1e-6).all()  # and the scale no wider than nearest
 
 
+def test_saturated_fp8_page_ranges_warn_at_the_first_encode_only(monkeypatch):
+    """Keys beyond e4m3's range warn (naming the fp16 fix) when a codec's first pages are encoded; later
+    encodes skip the check, which reads back to the host and would stall a GPU decode loop every page."""
+    import warnings
+
+    from kvcompress.quant import page_range as pr
+    from kvcompress.quant.nuq import NuqCodec
+
+    def encode_warns(codec, scale):
+        monkeypatch.setattr(pr, "_warned", False)
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            codec.encode(torch.randn(1, 2, 32, 64, generator=torch.Generator().manual_seed(4)) * scale, {})
+        return [str(x.message) for x in w]
+
+    codec = NuqCodec(page_size=32, head_dim=64, num_heads=2, nbits=4, axis="page", scale_format="e4m3")
+    assert any("scale_format='fp16'" in m for m in encode_warns(codec, 2000.0))
+    assert encode_warns(codec, 2000.0) == []  # checked once per codec
+    quiet = NuqCodec(page_size=32, head_dim=64, num_heads=2, nbits=4, axis="page", scale_format="e4m3")
+    assert encode_warns(quiet, 1.0) == []
+
+
 def test_scale_format_is_checked():
     with pytest.raises(Exception, match="scale_format"):
         QuantSpec(method="nuq", bits=4, axis="page", scale_format="e3m4")

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from kvcompress.calib.collect import LayerStats
 from kvcompress.calib.fit import fit_nuq_tensors, fp8_scales, fp8_shift_tensors
 from kvcompress.config import FP8_SHIFT_DEFAULT, ConfigError, LayerPolicy, QuantSpec
+from kvcompress.presets import nuq_specs
+from kvcompress.quant.rotation import random_signs
 
 CANDIDATES = ("fp8", "nuq4", "nuq3", "nuq2")
 STREAMS = ("key", "value")
@@ -24,12 +26,13 @@ MIXED_RESIDUAL = 32
 
 
 def choice_spec(choice: str, stream: str, outlier_fraction: float) -> QuantSpec:
-    """The QuantSpec of a named choice for keys (nuq on each page's channel range) or values (per token)."""
+    """The QuantSpec of a named choice: the nuq presets' keys (each page's channel range, one-byte ranges,
+    exact outliers) or values (per token, nuq3 / nuq2 rotated), or FP8."""
     if choice == "fp8":
         return QuantSpec(method="fp8")
     if choice in ("nuq4", "nuq3", "nuq2"):
-        axis = "page" if stream == "key" else "token"
-        return QuantSpec(method="nuq", bits=int(choice[3]), axis=axis, outlier_fraction=outlier_fraction)
+        key, value = nuq_specs(int(choice[3]), outlier_fraction)
+        return key if stream == "key" else value
     raise ConfigError(f"unknown calibration choice {choice!r}; use one of {CANDIDATES}")
 
 
@@ -41,7 +44,11 @@ class LayerFits:
     outlier_fraction: float = 0.01
     per_head: bool = True
     fp8_shift: str = FP8_SHIFT_DEFAULT
+    layer_idx: int = 0
     _cache: dict = field(default_factory=dict, repr=False)
+
+    def _head_dim(self, stream: str) -> int:
+        return (self.stats.keys if stream == "key" else self.stats.values).shape[-1]
 
     def fp8_scale(self, stream: str):
         amax = self.stats.key_amax if stream == "key" else self.stats.value_amax
@@ -54,11 +61,14 @@ class LayerFits:
                 return {f"{stream}.{n}": t for n, t in fp8_shift_tensors(self.stats, stream, spec.fp8_format).items()}
             amax = self.stats.key_amax if stream == "key" else self.stats.value_amax
             return {f"{stream}.scale": fp8_scales(amax, spec.fp8_format)}
-        if spec.method == "nuq" and not spec.rotation:
-            key = (stream, spec.bits, spec.axis, spec.outlier_fraction)
+        if spec.method == "nuq":
+            key = (stream, spec.bits, spec.axis, spec.outlier_fraction, spec.scale_format, spec.rotation)
             if key not in self._cache:
+                # the signs an uncalibrated cache would draw for this layer and stream (cache.py)
+                signs = random_signs(self._head_dim(stream), 2 * self.layer_idx + STREAMS.index(stream))
                 self._cache[key] = fit_nuq_tensors(
-                    self.stats, stream, spec.bits, spec.outlier_fraction, self.per_head, axis=spec.axis
+                    self.stats, stream, spec.bits, spec.outlier_fraction, self.per_head, axis=spec.axis,
+                    scale_format=spec.scale_format, rotation_signs=signs if spec.rotation else None,
                 )
             return dict(self._cache[key])
         return {}

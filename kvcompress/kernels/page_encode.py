@@ -1,4 +1,5 @@
-"""Encode whole pages of new tokens into the packed layout (the append path): torch twin and Triton.
+"""Encode whole pages of new tokens into the packed layout (the append path, `PagedStore.append`): torch
+twin and Triton.
 
 `encode_pages_torch(codec, x, row)` is the codec's own `encode`; `encode_pages_triton` does the same in
 one launch per call, one program per (batch, head, page), for FP8 (per-token dynamic scales) and KIVI
@@ -23,12 +24,11 @@ def triton_encodes(codec: Codec) -> bool:
     from kvcompress.quant.fp8 import Fp8Codec
     from kvcompress.quant.uniform import UniformCodec
 
-    if isinstance(codec, Fp8Codec):
-        # e4m3: on an H200 (triton 3.6) some codes differ from torch's conversion, so e4m3 pages are
-        # encoded by the codec's torch encode until the Triton one is bit-exact there too
-        return codec.fmt == "e5m2" and codec.static_scale is None and codec.head_dim & (codec.head_dim - 1) == 0
+    pow2 = lambda n: n & (n - 1) == 0  # noqa: E731  (tl.arange needs powers of two)
+    if isinstance(codec, Fp8Codec):  # dynamic per-token scales (static scales and shifts: torch)
+        return (codec.static_scale is None and codec.channel_shift is None
+                and pow2(codec.head_dim) and pow2(codec.page_size))
     if isinstance(codec, UniformCodec):
-        pow2 = lambda n: n & (n - 1) == 0  # noqa: E731
         return codec.nbits in (2, 4, 8) and pow2(codec.head_dim) and pow2(codec.page_size) and pow2(codec.group)
     return False
 

@@ -18,11 +18,15 @@ RNE_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23: (y + M) - M rounds |y| < 2*
 @triton.jit
 def _round_to_fp8_grid(y, MANT: tl.constexpr, EMIN: tl.constexpr):
     """Round to the nearest fp8 value (ties to even) in fp32, so the final conversion is exact everywhere
-    (Triton's interpreter drops the exponent carry when its own conversion rounds up a binade)."""
-    e = ((y.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # exponent of |y| (y = 0 gives -127)
+    (Triton's interpreter drops the exponent carry when its own conversion rounds up a binade). The
+    rounding is done on |y| and the sign put back by its bit: a negative y that rounds to zero stays
+    -0.0, as torch's conversion keeps it (0x80, not 0x00: the one difference measured on an H200)."""
+    bits = y.to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) - 127  # exponent of |y| (y = 0 gives -127)
     ulp_e = tl.maximum(e, EMIN) - MANT
     ulp = ((ulp_e + 127) << 23).to(tl.float32, bitcast=True)
-    return ((y / ulp + RNE_MAGIC) - RNE_MAGIC) * ulp  # y / ulp is exact (power of two)
+    r = ((tl.abs(y) / ulp + RNE_MAGIC) - RNE_MAGIC) * ulp  # |y| / ulp is exact (power of two)
+    return (r.to(tl.int32, bitcast=True) | ((bits >> 31) << 31)).to(tl.float32, bitcast=True)
 
 
 @triton.jit

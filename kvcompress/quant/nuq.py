@@ -25,7 +25,7 @@ of the statistics. Without calibration the codebook is the Gaussian Lloyd-Max on
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -49,6 +49,7 @@ class NuqCodec(Codec):
     outlier_dtype: torch.dtype = torch.float16
     default_codebook: str = "gaussian"  # one of config.CODEBOOKS: levels used when none are given
     scale_format: str = "fp16"  # how scales (and page zeros) are stored: "fp16", "e4m3", "e5m2" (page_range)
+    _range_checked: bool = field(default=False, init=False, repr=False, compare=False)  # see page_range
 
     def __post_init__(self):
         if self.codebook is None:
@@ -150,7 +151,8 @@ class NuqCodec(Codec):
             lo = torch.where(mp, big, xp).amin(3)  # [B, H, n_pages, D]
             hi = torch.where(mp, -big, xp).amax(3)
             # stored as x = u * scale + zero (the form the fused kernels read)
-            scale, zero = page_range(lo, hi, self.scale_format)
+            scale, zero = page_range(lo, hi, self.scale_format, check=not self._range_checked)
+            self._range_checked = True
             out["scale"], out["zero"] = as_stored(scale), as_stored(zero)
             u = _to_unit(xp, scale, zero).reshape(b, h, n, d)
         else:

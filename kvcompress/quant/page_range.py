@@ -27,8 +27,12 @@ FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 _warned = False
 
 
-def page_range(lo: torch.Tensor, hi: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """lo, hi [..., D] float32 -> (scale, zero) in the storage format ("fp16", "e4m3" or "e5m2")."""
+def page_range(lo: torch.Tensor, hi: torch.Tensor, fmt: str, check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """lo, hi [..., D] float32 -> (scale, zero) in the storage format ("fp16", "e4m3" or "e5m2").
+
+    check: warn (once per process) when an FP8 range saturates. The check reads a result back to the
+    host, which stalls a GPU decode loop, so a codec checks its first encode only (the prefill's pages,
+    where a model's key range shows)."""
     if fmt == "fp16":
         scale = ((hi - lo) / 2).clamp_min(1e-5).to(torch.float16)
         zero = ((hi + lo) / 2).to(torch.float16)
@@ -39,7 +43,7 @@ def page_range(lo: torch.Tensor, hi: torch.Tensor, fmt: str) -> tuple[torch.Tens
     zero = mid.clamp(-fmax, fmax).to(dtype)
     zf = zero.float()
     need = torch.maximum(hi - zf, zf - lo).clamp_min(1e-5)
-    if need.numel() and (mid.abs().amax() > fmax or need.amax() > fmax):
+    if check and not _warned and need.numel() and (mid.abs().amax() > fmax or need.amax() > fmax):
         _warn_clipped(float(torch.maximum(hi.abs(), lo.abs()).amax()), fmt, fmax)
     return need.clamp(max=fmax).to(dtype), zero
 
