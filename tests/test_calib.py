@@ -334,7 +334,8 @@ def test_calibrated_nuq3_keeps_the_presets_rotation_with_fitted_levels(smollm2, 
     from dataclasses import replace
 
     model, tok = smollm2
-    cfg = calibrate(model, tok, calib_text, CalibrationSettings(preset="nuq3", **TEXT_SAMPLES), progress=False)
+    settings = CalibrationSettings(preset="nuq3", **TEXT_SAMPLES)
+    cfg = calibrate(model, tok, calib_text, settings, progress=False)
     ids = tok(calib_text, add_special_tokens=False)["input_ids"]
     window = calibration_windows(ids, 1, TEXT_SAMPLES["seq_len"])
     from kvcompress.calib.collect import CollectSettings, collect

@@ -113,7 +113,8 @@ def test_page_encode_bit_exact(spec):
     codec = make_codec(spec, page_size=32, head_dim=128, num_heads=8, dtype=torch.bfloat16, tensors={}, seed=0)
     codec = codec.to(DEV)
     # channels over six decades: FP8 subnormals and negative elements that round to -0 (kept as 0x80)
-    x = (torch.randn(4, 8, 4096, 128, generator=torch.Generator().manual_seed(27)) * torch.logspace(-5, 1, 128))
+    g = torch.Generator().manual_seed(27)
+    x = torch.randn(4, 8, 4096, 128, generator=g) * torch.logspace(-5, 1, 128)
     x = x.bfloat16().to(DEV)
     want, got = codec.encode(x, {}), encode_pages_triton(codec, x, {})
     for name in want:

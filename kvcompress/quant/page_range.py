@@ -27,7 +27,8 @@ FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 _warned = False
 
 
-def page_range(lo: torch.Tensor, hi: torch.Tensor, fmt: str, check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def page_range(lo: torch.Tensor, hi: torch.Tensor, fmt: str,
+               check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """lo, hi [..., D] float32 -> (scale, zero) in the storage format ("fp16", "e4m3" or "e5m2").
 
     check: warn (once per process) when an FP8 range saturates. The check reads a result back to the
