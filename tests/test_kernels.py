@@ -71,15 +71,15 @@ SPECS = {
     "fp8-shift-k": (QuantSpec(method="fp8"), QuantSpec(method="nuq", bits=4, axis="token")),
     # what `calibrate --preset fp8` writes by default: keys shifted, values with static scales only
     "fp8-shift-kstatic": (QuantSpec(method="fp8"), QuantSpec(method="fp8")),
-    # what `calibrate --preset nuq3 / nuq2` writes: the presets' streams, rotated values on fitted levels
-    # per kv head with the rotation's signs (nuq3 reads through the paged kernel, nuq2 the phase kernel)
-    "nuq3-cal": nuq_specs(3),
-    "nuq2-cal": nuq_specs(2),
+    # the nuq3 / nuq2 presets' streams with levels per kv head and the rotation's signs given in the config
+    # (rotated values on their own levels; nuq3 reads through the paged kernel, nuq2 the phase kernel)
+    "nuq3-vbooks": nuq_specs(3),
+    "nuq2-vbooks": nuq_specs(2),
 }
 
 
 def _rotated_value_tensors(stream, hkv, d, bits):
-    """Calibration-like tensors of a rotated value stream: sorted levels per kv head, the rotation's signs."""
+    """Config tensors of a rotated value stream: sorted levels per kv head, the rotation's signs."""
     if stream == 0:
         return {}
     g = torch.Generator().manual_seed(60 + bits)
@@ -100,8 +100,8 @@ TENSORS = {
     "fp8-shift-k": lambda s, hkv, d: _fp8_shift_tensors(s, hkv, d) if s == 0 else {},
     "fp8-shift-kstatic": lambda s, hkv, d: (_fp8_shift_tensors(s, hkv, d) if s == 0 else
                                             {"scale": _fp8_shift_tensors(s, hkv, d)["scale"] * 3}),
-    "nuq3-cal": lambda s, hkv, d: _rotated_value_tensors(s, hkv, d, 3),
-    "nuq2-cal": lambda s, hkv, d: _rotated_value_tensors(s, hkv, d, 2),
+    "nuq3-vbooks": lambda s, hkv, d: _rotated_value_tensors(s, hkv, d, 3),
+    "nuq2-vbooks": lambda s, hkv, d: _rotated_value_tensors(s, hkv, d, 2),
 }
 
 

@@ -123,8 +123,7 @@ def config_from_stats(stats, layout: ModelLayout, dtype: torch.dtype, settings: 
                       notes: dict | None = None, progress: bool = False) -> KVCompressConfig:
     """The config for `settings` from collected statistics (one collection can serve several settings)."""
     notes = dict(notes or {})
-    fits = [LayerFits(s, settings.outlier_fraction, settings.per_head, settings.fp8_shift, layer_idx=i)
-            for i, s in enumerate(stats)]
+    fits = [LayerFits(s, settings.outlier_fraction, settings.per_head, settings.fp8_shift) for s in stats]
     if settings.has_budget:
         target = target_bits_for(settings, layout, dtype)
         layers, notes["allocation"] = _mixed_layers(fits, layout, settings, target, dtype, progress)

@@ -4,10 +4,9 @@ outlier thresholds and FP8 static scales.
 Codebooks are fitted on the values the NuqCodec will actually code (kvcompress/quant/nuq.py):
 keys normalised per channel, u = (k - mean_c) / scale_c with the calibrated statistics; values per
 token, u = v / s_t with s_t the rms (per-page outliers left out) rounded as the codec stores it (fp16 or
-FP8: an e5m2 scale is up to 12 % off the rms, which widens the distribution the levels must cover), after
-the stream's Hadamard rotation where it has one (the signs are written to the config, so the codec rotates
-exactly as the fit did). Elements the codec keeps exactly (the largest |u|, `outlier_fraction` of them)
-are left out of the fit. The k-means is weighted by how much an element's error costs in the attention
+FP8: an e5m2 scale is up to 12 % off the rms, which widens the distribution the levels must cover).
+Rotated streams are not fitted (candidates.py says why). Elements the codec keeps exactly (the largest
+|u|, `outlier_fraction` of them) are left out of the fit. The k-means is weighted by how much an element's error costs in the attention
 (see collect.py), converted to the normalised domain: an error du on a key is scale_c * du on the
 logit's input, on a value s_t * du.
 """
@@ -20,7 +19,6 @@ from kvcompress.calib.collect import LayerStats
 from kvcompress.quant.codebook import fit_codebook
 from kvcompress.quant.fp8 import FP8_DTYPES
 from kvcompress.quant.page_range import token_scale
-from kvcompress.quant.rotation import rotate
 
 _MIN_SCALE = 1e-4  # the same floor the codec puts under a per-channel std
 
@@ -70,17 +68,10 @@ def normalised_per_channel(stats: LayerStats, stream: str, fraction: float):
     return u, keep, (None if w is None else w * scale[:, None].pow(2)), thr
 
 
-def normalised_per_token(stats: LayerStats, stream: str, fraction: float, scale_format: str = "fp16",
-                         rotation_signs: torch.Tensor | None = None):
-    """u [H, N, D], kept mask, weights in the u domain (or None), outlier thresholds [H].
-
-    rotation_signs [D]: rotate the samples first, as a codec with those signs does (an orthogonal map, so
-    per-token weights carry over unchanged)."""
+def normalised_per_token(stats: LayerStats, stream: str, fraction: float, scale_format: str = "fp16"):
+    """u [H, N, D], kept mask, weights in the u domain (or None), outlier thresholds [H]; u is divided by
+    the per-token scale as the codec stores it in `scale_format`."""
     x, w = _samples(stats, stream)
-    if rotation_signs is not None:
-        x = rotate(x, rotation_signs)
-        if w is not None:  # per-element key weights do not follow a rotation: their per-token mean does
-            w = w.mean(-1, keepdim=True).expand_as(w)
     rms = x.pow(2).mean(-1, keepdim=True).sqrt()
     keep, thr = _outlier_keep(x / rms.clamp_min(1e-6), fraction)
     kf = keep.float()
@@ -102,15 +93,9 @@ def fit_levels(u: torch.Tensor, keep: torch.Tensor, weights, bits: int, per_head
 
 
 def fit_nuq_tensors(stats: LayerStats, stream: str, bits: int, fraction: float, per_head: bool = True,
-                    axis: str = "channel", scale_format: str = "fp16",
-                    rotation_signs: torch.Tensor | None = None) -> dict:
-    """The calibrated tensors of one nuq stream, keyed as in a LayerPolicy ("key.codebook", ...).
-
-    rotation_signs: the stream is Hadamard-rotated (values per token only); the signs are returned as
-    "<stream>.rotation_signs" with the codebook fitted after that rotation."""
+                    axis: str = "channel", scale_format: str = "fp16") -> dict:
+    """The calibrated tensors of one nuq stream, keyed as in a LayerPolicy ("key.codebook", ...)."""
     out = {}
-    if rotation_signs is not None and axis != "token":
-        raise ValueError("calibrating a rotated nuq stream needs axis='token' (values per token)")
     if axis == "page":
         # Keys coded on each page's own range keep the codec's uniform levels: calibration samples are
         # scattered tokens, not pages, and on SmolLM2 keys k-means levels fitted in the page-range
@@ -121,9 +106,7 @@ def fit_nuq_tensors(stats: LayerStats, stream: str, bits: int, fraction: float, 
         mean, scale = channel_stats(stats, stream)
         out.update({f"{stream}.channel_mean": mean, f"{stream}.channel_scale": scale})
     else:
-        u, keep, w, thr = normalised_per_token(stats, stream, fraction, scale_format, rotation_signs)
-        if rotation_signs is not None:
-            out[f"{stream}.rotation_signs"] = rotation_signs.float()
+        u, keep, w, thr = normalised_per_token(stats, stream, fraction, scale_format)
     out[f"{stream}.codebook"] = fit_levels(u, keep, w, bits, per_head)
     if fraction > 0:
         out[f"{stream}.outlier_threshold"] = thr.float()
