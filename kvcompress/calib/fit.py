@@ -6,9 +6,9 @@ keys normalised per channel, u = (k - mean_c) / scale_c with the calibrated stat
 token, u = v / s_t with s_t the rms (per-page outliers left out) rounded as the codec stores it (fp16 or
 FP8: an e5m2 scale is up to 12 % off the rms, which widens the distribution the levels must cover).
 Rotated streams are not fitted (candidates.py says why). Elements the codec keeps exactly (the largest
-|u|, `outlier_fraction` of them) are left out of the fit. The k-means is weighted by how much an element's error costs in the attention
-(see collect.py), converted to the normalised domain: an error du on a key is scale_c * du on the
-logit's input, on a value s_t * du.
+|u|, `outlier_fraction` of them) are left out of the fit. The k-means is weighted by how much an
+element's error costs in the attention (see collect.py), converted to the normalised domain: an error du
+on a key is scale_c * du on the logit's input, on a value s_t * du.
 """
 
 from __future__ import annotations
