@@ -270,7 +270,8 @@ def run(contexts, batches, n_iter, configs, methods) -> list[dict]:
                         print(f"  dequant+sdpa {method} {n} x {b}: out of memory", flush=True)
                     torch.cuda.empty_cache()
                 if method in CODECS:
-                    appends.append(dict(ctx=n, batch=b, method=method, attn_ms=best[0], **append_ms(method, b, n_iter)))
+                    appends.append(dict(ctx=n, batch=b, method=method, attn_ms=best[0], attn_graph_ms=graph_ms,
+                                        **append_ms(method, b, n_iter)))
                 del parts
                 torch.cuda.empty_cache()
             for r in rows[-12:]:
@@ -294,23 +295,61 @@ def quest_summaries(b: int, n_pages: int, page: int):
 
 
 def append_ms(method: str, b: int, n_iter: int) -> dict:
-    """The append path per decode step: the new token joins the tail (a copy of the tail, as the cache
-    does) and every P steps one page of P tokens is encoded for K and V (encode_pages on the selected
-    backend: Triton for FP8 and integers, the codec's torch encode for NUQ). Amortized per step."""
+    """The append path per decode step, as the cache runs it (kvcompress/graph/static_layer.py):
+    - in the step: the new token written into the tail buffer at a device-held index, K and V (two
+      index_copy_ and one add), or, in a growing cache stepped eagerly, the tail joined (two torch.cat);
+    - every P steps: one page of K and one of V encoded and written into the reserved body (PagedStore.append:
+      Triton for FP8 and integers, the codec's torch encode replayed from a CUDA graph for NUQ), and the
+      tail shifted down by a page.
+    Each is timed eagerly (host launches included: what a step issued from Python waits for when the GPU
+    idles) and from a CUDA graph (device time: what a captured decode loop pays, its host running ahead).
+    Returns ms per step, amortized, and the page encode alone (eager)."""
     from kvcompress.kernels.page_encode import encode_pages
+    from kvcompress.layout.store import PagedStore
 
     key_spec, value_spec, page, _, _ = method_spec(method)
-    streams = []
+    residual = preset_policy(method).residual
+    stores = []
     for s, spec in enumerate((key_spec, value_spec)):
         codec = make_codec(spec, page_size=page, head_dim=D, num_heads=HKV, dtype=DTYPE, tensors={}, seed=s).to("cuda")
-        x = torch.randn(b, HKV, page, D, device="cuda", dtype=DTYPE)
-        streams.append((codec, x, codec.prepare(x)))
-    encode = median_ms(lambda i: [encode_pages(c, x, r) for c, x, r in streams], n_iter)
-    residual = preset_policy(method).residual
-    tail = torch.randn(b, HKV, residual, D, device="cuda", dtype=DTYPE)
+        store = PagedStore(codec)
+        store.append(torch.randn(b, HKV, page, D, device="cuda", dtype=DTYPE))  # first page: one-time checks
+        store.reserve(4)
+        tail = torch.randn(b, HKV, residual + page + 32, D, device="cuda", dtype=DTYPE)
+        stores.append((store, tail))
+    encode = median_ms(lambda i: [encode_pages(st.codec, t[:, :, :page], st.row, graphed=st.graphed)
+                                  for st, t in stores], n_iter)
+    rest = max(residual - 1, 0)
+
+    def flush(i=0):
+        for store, tail in stores:
+            store.n_tokens = page  # the same slot each time (timing only)
+            store.append(tail[:, :, :page])
+            tail[:, :, :rest] = tail[:, :, page:page + rest].clone()
+
     new = torch.randn(b, HKV, 1, D, device="cuda", dtype=DTYPE)
-    join = median_ms(lambda i: (torch.cat([tail, new], 2), torch.cat([tail, new], 2)), n_iter)
-    return dict(encode_page_ms=encode, per_step_ms=join + encode / page, page=page)
+    tail_n = torch.tensor([residual + page - 1], device="cuda")
+
+    reps = 32
+
+    def write(i=0):  # as a captured step writes it, 32 times in one graph (one tiny graph would time its launch)
+        for _ in range(reps):
+            for _, tail in stores:
+                tail.index_copy_(2, tail_n, new)
+            tail_n.add_(1)
+        tail_n.sub_(reps)
+
+    def join(i=0):
+        return [torch.cat([t[:, :, :residual], new], 2) for _, t in stores]
+
+    flush_eager, join_eager = median_ms(flush, n_iter), median_ms(join, n_iter)
+    flush_graph = graph_time(flush, n_iter)
+    tail_n.fill_(residual + page - 1)
+    write_graph = graph_time(write, n_iter)
+    write_graph = None if write_graph is None else write_graph / reps
+    return dict(encode_page_ms=encode, page=page, flush_eager_ms=flush_eager, flush_graph_ms=flush_graph,
+                per_step_ms=join_eager + flush_eager / page,
+                per_step_graph_ms=None if flush_graph is None or write_graph is None else write_graph + flush_graph / page)
 
 
 def graph_time(fn, n_iter):
@@ -373,11 +412,22 @@ def main():
         f"device-to-device copy bandwidth (read + write): {bw / 1e12:.2f} TB/s",
         "",
     ]
-    append_lines = ["", "Append (per decode step: tail join + one page encoded every P steps, K and V):", "",
-                    "| ctx | batch | codec | encode one page (ms) | per step (ms) | of the fused attention |",
-                    "|---:|---:|---|---:|---:|---:|"]
-    append_lines += [f"| {a['ctx']} | {a['batch']} | {a['method']} | {a['encode_page_ms']:.3f} | {a['per_step_ms']:.4f} | "
-                     f"{100 * a['per_step_ms'] / a['attn_ms']:.1f}% |" for a in appends]
+    append_lines = ["", ("Append per decode step (K and V; the new token's write every step, one page's flush every P "
+                         "steps, amortized): eager against the eager attention, from a graph against the graph's:"), "",
+                    ("| ctx | batch | codec | encode a page, eager (ms) | flush, eager / graph (ms) | per step, eager "
+                     "(ms) | of the attention | per step, graph (ms) | of the attention (graph) |"),
+                    "|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+
+    def share(num, den):
+        return "-" if num is None or den is None else f"{100 * num / den:.1f}%"
+
+    def ms(x):
+        return "-" if x is None else f"{x:.4f}"
+
+    append_lines += [f"| {a['ctx']} | {a['batch']} | {a['method']} | {a['encode_page_ms']:.3f} | "
+                     f"{a['flush_eager_ms']:.3f} / {ms(a['flush_graph_ms'])} | {a['per_step_ms']:.4f} | "
+                     f"{share(a['per_step_ms'], a['attn_ms'])} | {ms(a['per_step_graph_ms'])} | "
+                     f"{share(a['per_step_graph_ms'], a['attn_graph_ms'])} |" for a in appends]
     table = "\n".join(head + lines + ["", HEADER] + [fmt_row(r, bw) for r in rows] + append_lines)
     print("\n" + table)
     if args.out:

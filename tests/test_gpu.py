@@ -7,7 +7,8 @@ What is proved, on the GPU the speed numbers come from:
   the twin decodes the body to bf16 before its fp32 matmul while the kernel keeps the dequantized values
   in fp32 registers, and the output is rounded to bf16, each about 2^-9 relative);
 - GQA 1 and 3 at head dim 64 (SmolLM2's shape);
-- the Triton page encoder (append) writes bit-exactly the codec's fields on 8 heads x 4096 tokens;
+- the Triton page encoder (append) writes bit-exactly the codec's fields on 8 heads x 4096 tokens, and the
+  torch encode replayed from CUDA graphs stores what the eager one stores;
 - Quest page scoring on 1024 pages equals the torch scores;
 - the MLA kernel (512-wide latent + 64 RoPE dims, 128 heads) equals its twin;
 - a DecodeGraph's replayed steps equal its eager steps and the growing cache's (nuq4, int4, fp8, and an MLA
@@ -119,6 +120,68 @@ def test_page_encode_bit_exact(spec):
     want, got = codec.encode(x, {}), encode_pages_triton(codec, x, {})
     for name in want:
         assert torch.equal(want[name], got[name]), name
+
+
+@pytest.mark.parametrize("preset", ["nuq4", "nuq3", "nuq2", "k8v4"])
+def test_graphed_page_encode_is_bit_exact(preset, monkeypatch):
+    """A layer of each preset whose pages the torch encode codes (NUQ with outliers and rotations, FP8 keys
+    beside NUQ values), at Llama-8B layer size in bf16: 200-token prefill, then 200 tokens one at a time
+    (several pages, each after the first replayed from the page shape's graph), stores bit for bit what the
+    eager encodes store."""
+    from kvcompress.cache import CompressedLayer
+    from kvcompress.config import KVCompressConfig, ModelLayout
+
+    if DEV != "cuda":
+        pytest.skip("CUDA graphs need a GPU")
+    policy = KVCompressConfig.from_preset(preset, ModelLayout("llama", 1, 8, 128, 128, ("full_attention",))).layers[0]
+    g = torch.Generator().manual_seed(31)
+    k = (torch.randn(4, 8, 400, 128, generator=g) * torch.logspace(-2, 1, 128)).bfloat16().to(DEV)
+    v = torch.randn(4, 8, 400, 128, generator=g).bfloat16().to(DEV)
+    stored = {}
+    for graphs in ("0", "1"):
+        monkeypatch.setenv("KVCOMPRESS_ENCODE_GRAPHS", graphs)
+        layer = CompressedLayer(policy)
+        layer.update(k[:, :, :200], v[:, :, :200])
+        for t in range(200, 400):
+            layer.update(k[:, :, t:t + 1], v[:, :, t:t + 1])
+        stored[graphs] = layer
+    eager, graphed = stored["0"], stored["1"]
+    assert eager.key_store.n_pages == graphed.key_store.n_pages >= 6
+    for store in (graphed.key_store, graphed.value_store):
+        if store.codec.__class__.__name__ == "NuqCodec":  # k8v4's FP8 keys take the Triton encoder
+            assert any(e.graph is not None for e in store.graphed.entries.values())
+    for a, b in ((eager.key_store, graphed.key_store), (eager.value_store, graphed.value_store)):
+        assert a.data.keys() == b.data.keys()
+        for name in a.data:
+            assert torch.equal(a.data[name], b.data[name]), name
+
+
+def test_graphed_encoders_outlive_each_other(monkeypatch):
+    """Encode graphs share one memory pool; dropping every layer that captured into it (and collecting
+    them) and then capturing again works: torch frees a pool whose graphs are all gone, so the library holds
+    one of them."""
+    import gc
+
+    from kvcompress.cache import CompressedLayer
+    from kvcompress.config import KVCompressConfig, ModelLayout
+
+    if DEV != "cuda":
+        pytest.skip("CUDA graphs need a GPU")
+    monkeypatch.setenv("KVCOMPRESS_ENCODE_GRAPHS", "1")
+    policy = KVCompressConfig.from_preset("nuq4", ModelLayout("llama", 1, 2, 64, 64, ("full_attention",))).layers[0]
+    k = torch.randn(2, 2, 150, 64, generator=torch.Generator().manual_seed(32)).to(DEV)
+    for _ in range(3):
+        layer = CompressedLayer(policy)
+        layer.update(k[:, :, :60], k[:, :, :60])
+        for t in range(60, 150):
+            layer.update(k[:, :, t:t + 1], k[:, :, t:t + 1])
+        assert any(e.graph is not None for e in layer.key_store.graphed.entries.values())
+        store, last = layer.key_store, layer.key_store.n_pages - 1  # the newest page came from a replay
+        lo = layer.sink_k.shape[2] + last * store.page_size
+        want = store.codec.decode(store.codec.encode(k[:, :, lo:lo + store.page_size], {}), {}, torch.float32)
+        assert last >= 2 and torch.equal(store.decode_pages(last, last + 1, torch.float32), want)
+        del layer
+        gc.collect()
 
 
 def test_quest_scores():

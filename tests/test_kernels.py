@@ -600,3 +600,41 @@ def test_cache_pages_go_through_the_selected_encoder(monkeypatch):
     assert stored["torch"].keys() == stored["triton"].keys()
     for name in stored["torch"]:
         assert torch.equal(stored["torch"][name], stored["triton"][name]), name
+
+
+def test_store_copies_what_a_graphed_encode_returns(monkeypatch):
+    """A graphed page encode (kernels/page_encode_graph.py) returns the graph's own output tensors, which its
+    next replay overwrites. Faked here on the CPU by an encoder that writes every result into one buffer per
+    shape: a layer fed one page at prefill and then a page at a time stores exactly what the eager encodes
+    store (without the store's copy, the first page would be overwritten by the next)."""
+    from kvcompress.cache import CompressedLayer
+    from kvcompress.config import LayerPolicy
+    from kvcompress.kernels import page_encode_graph
+
+    buffers = {}
+
+    def replay(self, x, row):
+        out = self.codec.encode(x, row)
+        held = buffers.setdefault((id(self), tuple(x.shape)), {k: torch.empty_like(t) for k, t in out.items()})
+        for k, t in out.items():
+            held[k].copy_(t)
+        return held
+
+    g = torch.Generator().manual_seed(71)
+    k, v = torch.randn(2, 2, 70, 64, generator=g), torch.randn(2, 2, 70, 64, generator=g)
+    policy = LayerPolicy(key=SPECS["nuq4-kout"][0], value=SPECS["nuq4-kout"][1], page_size=16, sinks=2, residual=4)
+    stored = {}
+    for graphed in (False, True):
+        if graphed:
+            monkeypatch.setattr(page_encode_graph, "graphs_enabled", lambda x: True)
+            monkeypatch.setattr(page_encode_graph.GraphedEncoder, "__call__", replay)
+        layer = CompressedLayer(policy)
+        layer.update(k[:, :, :22], v[:, :, :22])  # 2 sinks, one page, 4 tail tokens
+        assert layer.key_store.n_pages == 1
+        for t in range(22, 70):
+            layer.update(k[:, :, t:t + 1], v[:, :, t:t + 1])
+        stored[graphed] = layer
+    assert buffers and stored[True].key_store.n_pages == 4
+    for a, b in ((stored[False].key_store, stored[True].key_store), (stored[False].value_store, stored[True].value_store)):
+        for name in a.data:
+            assert torch.equal(a.data[name], b.data[name]), name

@@ -4,7 +4,8 @@ twin and Triton.
 `encode_pages_torch(codec, x, row)` is the codec's own `encode`; `encode_pages_triton` does the same in
 one launch per call, one program per (batch, head, page), for FP8 (per-token dynamic scales) and KIVI
 integers (per-page-channel or per-token-group scales, 2/4/8 bits). NUQ encoding (nearest codebook
-level plus the per-page outlier top-k) stays on the torch path. `encode_pages` dispatches.
+level plus the per-page outlier top-k) stays on the torch path, replayed from a CUDA graph on the GPU
+when the caller passes a `GraphedEncoder` (page_encode_graph.py). `encode_pages` dispatches.
 x: [B, H, n_pages * P, D] -> fields as the codec's `encode` returns them.
 """
 
@@ -46,11 +47,19 @@ def encode_pages_triton(codec: Codec, x: torch.Tensor, row: dict[str, torch.Tens
     return encode_uniform(codec, x)
 
 
-def encode_pages(codec: Codec, x: torch.Tensor, row: dict[str, torch.Tensor], backend: str | None = None):
-    """The selected backend's encoder (torch for codecs the Triton encoder does not handle)."""
+def encode_pages(codec: Codec, x: torch.Tensor, row: dict[str, torch.Tensor], backend: str | None = None,
+                 graphed=None) -> tuple[dict[str, torch.Tensor], bool]:
+    """The selected backend's encoder (torch for codecs the Triton encoder does not handle; from `graphed`,
+    a GraphedEncoder of this codec, where page_encode_graph.graphs_enabled(x)).
+
+    Returns (fields, fresh): fresh is False when the fields are a graph's outputs, which the next encode
+    of the same shape overwrites (copy them before that)."""
     from kvcompress.kernels.backend import select_backend
+    from kvcompress.kernels.page_encode_graph import graphs_enabled
 
     backend = backend or select_backend(x.device)
     if backend == "triton" and triton_encodes(codec):
-        return encode_pages_triton(codec, x, row)
-    return encode_pages_torch(codec, x, row)
+        return encode_pages_triton(codec, x, row), True
+    if graphed is not None and graphs_enabled(x):
+        return graphed(x, row), False
+    return encode_pages_torch(codec, x, row), True

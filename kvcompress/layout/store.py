@@ -18,6 +18,7 @@ from typing import Callable, Iterator
 import torch
 
 from kvcompress.kernels.page_encode import encode_pages
+from kvcompress.kernels.page_encode_graph import GraphedEncoder
 from kvcompress.quant.base import Codec, FieldKind, Role
 
 
@@ -30,6 +31,7 @@ class PagedStore:
         self.buffers: dict[str, torch.Tensor] = {}  # reserved room (fixed addresses), empty when none
         self.capacity = 0  # tokens the buffers hold
         self.n_tokens = 0
+        self.graphed = GraphedEncoder(codec)  # torch encodes replayed from CUDA graphs (GPU only)
 
     @property
     def page_size(self) -> int:
@@ -50,8 +52,8 @@ class PagedStore:
             return
         self.prepare(x)
         # the selected backend's encoder: one Triton launch on CUDA for FP8 / KIVI pages (bit-exact with
-        # the codec's own encode, which every other case and the CPU use)
-        new = encode_pages(self.codec, x, self.row)
+        # the codec's own encode, which every other case and the CPU use; on CUDA replayed from a graph)
+        new, fresh = encode_pages(self.codec, x, self.row, graphed=self.graphed)
         lo, hi = self.n_tokens, self.n_tokens + x.shape[2]
         if self.buffers and hi <= self.capacity:  # in place, at fixed addresses
             for name, t in new.items():
@@ -62,7 +64,8 @@ class PagedStore:
             self._drop_reservation()
             for name, t in new.items():
                 old = self.data.get(name)
-                self.data[name] = t if old is None else torch.cat([old, t], dim=2)
+                # a graph's outputs are overwritten by its next replay: never hold them
+                self.data[name] = (t if fresh else t.clone()) if old is None else torch.cat([old, t], dim=2)
         self.n_tokens = hi
 
     def reserve(self, n_pages: int) -> None:
