@@ -370,7 +370,8 @@ def fmt_row(r, bw):
     share = r["bytes"] / (r["ms"] * 1e-3) / bw
     cfg = r.get("cfg")
     cfg = "" if not cfg else f"bn{cfg['block_n']} w{cfg['num_warps']} s{cfg['num_stages']}" + (
-        f" sp{cfg['splits']}" if "splits" in cfg else "") + (f" {cfg['lut']}" if "lut" in cfg else "")
+        f" sp{cfg['splits']}" if cfg.get("splits") else "") + "".join(
+            f" {cfg[k]}" for k in ("lut", "unpack") if cfg.get(k))
     return (f"| {r['ctx']:>6} | {r['batch']:>3} | {r['method']:<26} | {r['ms']:9.3f} | {r['bytes'] / 1e6:10.1f} | "
             f"{share * 100:5.0f}% | {r['base'] / r['ms']:6.2f}x | {cfg} |")
 
@@ -389,7 +390,8 @@ def main():
     ap.add_argument("--configs", nargs="+", default=["32,1,3", "64,4,2", "64,8,2", "128,4,2", "128,8,2", "64,4,3",
                                                      "128,8,3"],
                     help="fused-kernel configs to sweep (the best is reported): block_n,num_warps,num_stages"
-                         "[,splits per (batch, kv head) or - for the default[,lut select|gather|shuffle]]")
+                         "[,splits per (batch, kv head) or - for the default[,lut select|gather|shuffle"
+                         "[,unpack asm|ops]]] (- for a default)")
     ap.add_argument("--methods", nargs="+", default=["int4", "nuq4", "fp8", "nuq4+quest2048"],
                     help="presets to time (NAME+quest2048: with a Quest page list; NAME-noout: without outliers)")
     ap.add_argument("--out", default=None, help="write the markdown table here too")
@@ -400,8 +402,9 @@ def main():
         print(line, flush=True)
     configs = []
     for c in args.configs:
-        cfg = dict(zip(("block_n", "num_warps", "num_stages", "splits", "lut"), c.split(",")))
-        configs.append({k: (v if k == "lut" else None if v == "-" else int(v)) for k, v in cfg.items()})
+        cfg = dict(zip(("block_n", "num_warps", "num_stages", "splits", "lut", "unpack"), c.split(",")))
+        configs.append({k: (None if v == "-" else v if k in ("lut", "unpack") else int(v))
+                        for k, v in cfg.items()})
     rows, appends, bw = run(args.contexts, args.batches, args.iters, configs, args.methods)
     import triton
 

@@ -106,6 +106,58 @@ def test_phase_kernel_codebook_reads(name, lut):
     compare(parts, q, random_page_list(3, 8, 64, 20, seed=30).to(DEV), TOL[LOW], lut=lut)
 
 
+ASM_CASES = [("int4", torch.bfloat16), ("int2", torch.bfloat16), ("int4-vtok", torch.float16),
+             ("nuq4-kout", torch.bfloat16), ("nuq2-page", torch.float16)]
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="inline PTX runs on the GPU only")
+@pytest.mark.parametrize("name,dtype", ASM_CASES, ids=[f"{n}-{str(d)[6:]}" for n, d in ASM_CASES])
+def test_phase_kernel_asm_unpack_equals_triton_ops(name, dtype):
+    """Int codes unpacked by inline PTX (several per instruction) give the operands that Triton's one-code
+    ops give: the same output bit for bit, with and without a page list, at Llama-3.1-8B layer size; and
+    both equal the torch twin."""
+    from kvcompress.kernels.decode_attention_triton import decode_attention_triton
+
+    parts = to_cuda(make_parts(name, b=3, hkv=8, d=128, pages=64, page=32, sinks=4, tail=31,
+                               lengths=[2048, 1500, 77], seed=31, dtype=dtype))
+    q = torch.randn(3, 32, 128, generator=torch.Generator().manual_seed(32)).to(dtype).to(DEV)
+    for pl in (None, random_page_list(3, 8, 64, 20, seed=33).to(DEV)):
+        asm, asm_p = decode_attention_triton(q, parts, 128 ** -0.5, pl, return_probs=True, unpack="asm")
+        ops, ops_p = decode_attention_triton(q, parts, 128 ** -0.5, pl, return_probs=True, unpack="ops")
+        assert torch.equal(asm, ops) and torch.equal(asm_p, ops_p)
+        compare(parts, q, pl, TOL[LOW], unpack="asm")
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="inline PTX runs on the GPU only")
+def test_phase_kernel_asm_levels_of_per_head_codebooks():
+    """Calibrated codebooks, one per kv head and different for keys (so not evenly spaced: looked up too)
+    and values: the byte-permute lookup reads each head's own tables, equal to the warp shuffle's result
+    bit for bit and to the torch twin, at Llama-3.1-8B layer size in bf16."""
+    from kvcompress.kernels.decode_attention_triton import decode_attention_triton
+    from kvcompress.kernels.parts import AttentionParts, PackedStream
+    from kvcompress.quant.factory import make_codec
+
+    g = torch.Generator().manual_seed(34)
+    b, hkv, d, page, n = 3, 8, 128, 32, 2048
+    streams = []
+    for s, spec in enumerate(SPECS["nuq4-kout"]):
+        levels = torch.sort(torch.randn(hkv, 16, generator=g) * (1 + s), dim=-1).values
+        codec = make_codec(spec, page_size=page, head_dim=d, num_heads=hkv, dtype=LOW,
+                           tensors={"codebook": levels}, seed=s)
+        x = torch.randn(b, hkv, n, d, generator=g).to(LOW)
+        row = codec.prepare(x)
+        streams.append(PackedStream(codec, codec.encode(x, row), row, n))
+    tails = [torch.randn(b, hkv, t, d, generator=g).to(LOW) for t in (4, 4, 31, 31)]
+    lens = torch.tensor([2048, 1500, 77], dtype=torch.int32)
+    parts = to_cuda(AttentionParts(streams[0], streams[1], *tails, lens))
+    q = torch.randn(b, 4 * hkv, d, generator=g).to(LOW).to(DEV)
+    for pl in (None, random_page_list(b, hkv, n // page, 20, seed=35).to(DEV)):
+        asm, _ = decode_attention_triton(q, parts, d ** -0.5, pl, unpack="asm")
+        ops, _ = decode_attention_triton(q, parts, d ** -0.5, pl, unpack="ops")
+        assert torch.equal(asm, ops)
+        compare(parts, q, pl, TOL[LOW])
+
+
 @pytest.mark.parametrize("spec", ENCODE_SPECS, ids=lambda s: f"{s.method}{s.bits}-{s.axis}-{s.fp8_format}")
 def test_page_encode_bit_exact(spec):
     from kvcompress.kernels.page_encode import encode_pages_triton

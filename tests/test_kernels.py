@@ -370,6 +370,48 @@ def test_phase_kernel_is_used_and_equals_the_others(name, d, lut, monkeypatch):
         assert len(launches) == n
 
 
+@pytest.mark.parametrize("per_head", [False, True])
+def test_level_tables_hold_each_level_byte_by_byte(per_head):
+    """The byte tables of a 4-bit codebook that the GPU's byte-permute lookup reads: byte j of column k
+    (k < 4) and of column 4 + k are the low and high bytes of level 4k + j rounded to bf16 (columns 8-15:
+    fp16), one row per kv head where the codebook has one; other widths are refused."""
+    from kvcompress.kernels.streams import level_tables
+
+    g = torch.Generator().manual_seed(46)
+    levels = torch.sort(torch.randn(3 if per_head else 1, 16, generator=g) * 2)[0]
+    codec = make_codec(QuantSpec(method="nuq", bits=4, axis="token"), page_size=16, head_dim=64, num_heads=3,
+                       dtype=torch.float32, tensors={"codebook": levels if per_head else levels[0]}, seed=0)
+    tables = level_tables(codec, "cpu")
+    assert tables.dtype == torch.int32 and tables.shape == (levels.shape[0], 16)
+    assert level_tables(codec, "cpu") is tables  # made once per codec
+    as_bytes = tables.view(torch.uint8).view(-1, 4, 4, 4).long()  # [H, dtype and byte half, table, byte]
+    for i, dtype in enumerate((torch.bfloat16, torch.float16)):
+        lo, hi = as_bytes[:, 2 * i].reshape(-1, 16), as_bytes[:, 2 * i + 1].reshape(-1, 16)
+        bits = (lo | (hi << 8)).to(torch.int32).to(torch.int16)  # little-endian words: byte j = level 4k + j
+        assert torch.equal(bits.view(dtype), levels.to(dtype))
+    codec3 = make_codec(QuantSpec(method="nuq", bits=3, axis="token"), page_size=16, head_dim=64, num_heads=3,
+                        dtype=torch.float32, tensors={}, seed=0)
+    with pytest.raises(ValueError, match="4-bit"):
+        level_tables(codec3, "cpu")
+
+
+@needs_triton
+def test_phase_kernel_unpack_choice_is_checked():
+    """An unknown unpack, or inline PTX where there is no GPU to run it, is a clear error; None picks what
+    runs (Triton's ops here, the same values: tests/test_gpu.py compares the two on the GPU)."""
+    from kvcompress.kernels.decode_attention_triton import decode_attention_triton
+
+    parts = make_parts("int4", b=1, hkv=2, d=64, pages=2, page=16, seed=44)
+    q = torch.randn(1, 4, 64, generator=torch.Generator().manual_seed(45))
+    with pytest.raises(ValueError, match="unpack must be"):
+        decode_attention_triton(q, parts, 0.125, unpack="simd")
+    if not q.is_cuda:
+        with pytest.raises(ValueError, match="needs a CUDA GPU"):
+            decode_attention_triton(q, parts, 0.125, unpack="asm")
+    auto, _ = decode_attention_triton(q, parts, 0.125)
+    assert torch.equal(auto, decode_attention_triton(q, parts, 0.125, unpack="ops")[0])
+
+
 @needs_triton
 @pytest.mark.parametrize("lut", ["select", "gather", "shuffle"])
 def test_phase_kernel_per_head_codebooks(lut):

@@ -20,12 +20,14 @@ import torch
 import triton
 import triton.language as tl
 
+from kvcompress.kernels.backend import interpreting
 from kvcompress.kernels.parts import AttentionParts
 from kvcompress.kernels.streams import (
     KIND_DENSE,
     KIND_INT,
     KIND_NUQ,
     StreamArgs,
+    level_tables,
     stream_args,
 )
 
@@ -468,6 +470,11 @@ def _cuda_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def _table_stride(t: torch.Tensor) -> int:
+    """Head stride of level tables [H or 1, 16] (0: one codebook for every head); 0 for a placeholder."""
+    return t.stride(0) if t.dim() == 2 and t.shape[0] > 1 and t.dtype == torch.int32 else 0
+
+
 def _stream_launch_args(a: StreamArgs) -> list:
     c = _rows_contiguous(a.codes)
     if a.kind in (KIND_INT, KIND_NUQ) and a.bits in (2, 4):
@@ -511,28 +518,36 @@ def decode_attention_triton(
     *,
     block_n: int | None = None,
     num_warps: int | None = None,
-    num_stages: int = 3,
+    num_stages: int | None = None,
     splits: int | None = None,
     lut: str | None = None,
     phase_kernel: bool = True,
     fp8_f16: bool = True,
+    unpack: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Fused decode attention; same signature and result as `decode_attention_torch`.
 
     q [B, Hq, Dk]; parts: see AttentionParts; page_list [B, Hkv, n_sel] (Quest); returns
     (out [B, Hq, Dv] in q.dtype, probs [B, Hkv, S+N+T] fp32 or None). Tuning: block_n body tokens per
     step (None: 64 with outliers, else 128; the phase kernel: one page of 32), num_warps (None: 1 for the
-    phase kernel, else 4) / num_stages of the split kernel, splits per (batch, kv head) (None: 16 per
-    multiprocessor over all (batch, kv head) pairs), lut: how the fast kernels read nuq codebooks
-    ("select": a select tree, "gather": a load per element, "shuffle": a warp shuffle from levels held in
-    registers, the phase kernel only; the paged kernel reads "shuffle" as "gather"; None: measured best on
-    an H200, "shuffle" in the phase kernel, "select" in the paged one), phase_kernel: False keeps the
-    caches that decode_phase_triton reads (KIVI int2 / int4, nuq4 / nuq2 keys per page) on
-    decode_paged_triton (to compare the two), fp8_f16: False keeps fp8 caches' dots in the model dtype
-    (to compare; True: fp16 operands, see decode_fp8_triton).
+    phase kernel, else 4) / num_stages (None: 2 for the phase kernel, else 3) of the split kernel, splits
+    per (batch, kv head) (None: 16 per multiprocessor over all (batch, kv head) pairs), lut: how the fast
+    kernels read nuq codebooks ("select": a select tree, "gather": a load per element, "shuffle": a warp
+    shuffle from levels held in registers, the phase kernel only; the paged kernel reads "shuffle" as
+    "gather"; None: measured best on an H200, "shuffle" in the phase kernel, "select" in the paged one),
+    phase_kernel: False keeps the caches that decode_phase_triton reads (KIVI int2 / int4, nuq4 / nuq2
+    keys per page) on decode_paged_triton (to compare the two), fp8_f16: False keeps fp8 caches' dots in
+    the model dtype (to compare; True: fp16 operands, see decode_fp8_triton), unpack: how the phase kernel
+    turns int codes into bf16 / fp16 operands ("asm": inline PTX, several codes per instruction, the GPU
+    only; "ops": Triton operations, one code at a time, the same values; None: "asm" where it runs).
     """
     if lut not in (None, "select", "gather", "shuffle"):
         raise ValueError(f"lut must be 'select', 'gather' or 'shuffle', got {lut!r}")
+    if unpack not in (None, "asm", "ops"):
+        raise ValueError(f"unpack must be 'asm' or 'ops', got {unpack!r}")
+    if unpack == "asm" and (not q.is_cuda or interpreting()):
+        raise ValueError("unpack='asm' runs inline PTX, which needs a CUDA GPU (Triton's interpreter "
+                         "cannot run it): pass unpack=None or 'ops'")
     b, hq, dk = q.shape
     hkv = parts.kv_heads
     if hq % hkv:
@@ -584,6 +599,13 @@ def decode_attention_triton(
         k_affine = key_args.affine_levels  # evenly spaced nuq key levels: decoded as integers, no lookup
         k_magic, k_shift = phase.phase_magic(KIND_INT, key_args.bits, dot) if k_affine else (magic, shift)
         k_lo, k_step = k_affine or (0.0, 1.0)
+        asm = unpack != "ops" and dot != "fp32" and q.is_cuda and not interpreting()
+        # 4-bit codebooks read by byte permutes (inline PTX) need their byte tables; else a placeholder
+        lut_asm = asm and lut in (None, "shuffle")
+        k_lt = level_tables(parts.key.codec, dev) if lut_asm and key_args.kind == KIND_NUQ and (
+            key_args.bits == 4 and not k_affine) else q
+        v_lt = level_tables(parts.value.codec, dev) if lut_asm and value_args.kind == KIND_NUQ and (
+            value_args.bits == 4) else q
         kernel, extra = phase._phase_split_kernel, dict(
             KIND=key_args.kind, BITS=key_args.bits, V_GROUP=value_args.group, V_HAS_ZERO=value_args.has_zero,
             K_NOUT=key_args.n_outliers, K_KCP=max(16, _next_pow2(key_args.n_outliers)),
@@ -591,8 +613,15 @@ def decode_attention_triton(
             PHK=fast.phases(key_args, dk), PHV=fast.phases(value_args, dv), WK=fast.words(key_args, dk),
             WV=fast.words(value_args, dv), K_WB=fast.word_bits(key_args, dk), V_WB=fast.word_bits(value_args, dv),
             MAGIC=magic, SHIFT=shift, GQ=gq, NGP=_next_pow2(max(dv // value_args.group, -(-8 // gq))),
-            K_AFFINE=k_affine is not None, K_MAGIC=k_magic, K_SHIFT=k_shift, k_lo=k_lo, k_step=k_step)
+            K_AFFINE=k_affine is not None, K_MAGIC=k_magic, K_SHIFT=k_shift, k_lo=k_lo, k_step=k_step,
+            ASM=asm, LT_OFF=8 if dot == "fp16" else 0, KLT=k_lt, klt_sh=_table_stride(k_lt),
+            VLT=v_lt, vlt_sh=_table_stride(v_lt))
         num_warps = num_warps or 1  # measured on an H200 (BENCHMARKS.md): one warp per program
+        # two stages: 8 programs per multiprocessor (255 registers each) where three stages' shared memory
+        # left room for 6; int4 0.30 -> 0.21 ms at 32K x 8 (BENCHMARKS.md, 2026-12-02)
+        # one stage where 4-bit levels are read by byte permutes: in a pipelined loop Triton sent every
+        # lookup's result through shared memory (compiled PTX, unpack_asm_triton.table_tiles)
+        num_stages = num_stages or (1 if v_lt is not q or k_lt is not q else 2)
     elif paged and fast.is_fp8(key_args) and fast.is_fp8(value_args):
         from kvcompress.kernels.decode_fp8_triton import _fp8_split_kernel
 
@@ -659,7 +688,7 @@ def decode_attention_triton(
         HAS_LENS=parts.body_lengths is not None, HAS_TLEN=parts.tail_lengths is not None, HAS_STARTS=parts.row_starts is not None,
         HAS_PL=page_list is not None and key_args is not None, WRITE_SCORES=return_probs,
         DOT_FP32=dtype == torch.float32, DT=_DOT_DTYPES[dtype],
-        num_warps=num_warps or 4, num_stages=num_stages, **extra,
+        num_warps=num_warps or 4, num_stages=num_stages or 3, **extra,
         **({} if by_phase else dict(OPB=opb, HAS_BODY=key_args is not None, **_stream_constants(key_args, "K"),
                                 **_stream_constants(value_args, "V"))),
     )

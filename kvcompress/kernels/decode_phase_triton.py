@@ -14,7 +14,7 @@ reads a 4-bit cache at 0.44x the speed of bf16 SDPA. Here nothing per element go
   unpacked operand is an elementwise function of the word tile and Triton keeps it in registers
   (int: one shift and one AND-OR per code, no conversion: (c | magic) read as a half float is offset + c;
   nuq: the code's level, by a tree of selects or a warp shuffle over levels held in registers, or a load
-  per element);
+  per element; on the GPU the 4-bit levels by byte permutes instead of the shuffle, unpack_asm_triton.py);
 - keys: scores^T [BN, GQ] = sum over phases of codes_I [BN, W] . (q * key scale)_I^T [W, GQ]: the tokens
   are M and the G query heads of the kv head are N, so a page's scales fold into a [W, GQ] query tile per
   phase (tiny) instead of a stacked [16, D] one; the zeros and the code offset come back as one sum;
@@ -22,7 +22,9 @@ reads a 4-bit cache at 0.44x the speed of bf16 SDPA. Here nothing per element go
 - values: out_I^T [W, RV] += codes_I^T [W, BN] . a^T [BN, RV], where the RV columns are (channel group,
   head) pairs and a = p times that group's per-token scale; each output channel keeps the column of its
   own group (with G = 4 and 4 groups of 32 channels the 16 columns are all used);
-- one warp per program and tiles of one page of 32 tokens (measured best, BENCHMARKS.md).
+- one warp per program, tiles of one page of 32 tokens, two pipeline stages (measured best, BENCHMARKS.md);
+  on the GPU, int codes and 4-bit codebook levels are unpacked by inline PTX, several per instruction
+  (unpack_asm_triton.py).
 Quest page lists, left padding, ragged lengths and the H2O scores are supported as in the other kernels;
 sinks and tail are the exact split, as there.
 """
@@ -43,6 +45,7 @@ from kvcompress.kernels.decode_attention_triton import (
 )
 from kvcompress.kernels.decode_paged_triton import _levels, _mma, _select, word_bits
 from kvcompress.kernels.streams import KIND_INT, KIND_NUQ, SCALE_PAGE, SCALE_TOKEN, StreamArgs
+from kvcompress.kernels.unpack_asm_triton import byte_codes, byte_levels, table_tiles
 
 LUT_SELECT, LUT_GATHER, LUT_SHUFFLE = 0, 1, 2
 LUTS = {"select": LUT_SELECT, "gather": LUT_GATHER, "shuffle": LUT_SHUFFLE}
@@ -152,7 +155,7 @@ def _phase_split_kernel(
     TK, tk_sb, tk_sh, tk_sn, TV, tv_sb, tv_sh, tv_sn, n_tail, TLEN,
     LENS, STARTS, n_body, PL, pl_sb, pl_sh, n_sel, tokens_per_split, n_body_splits,
     M_OUT, L_OUT, ACC_OUT, SCORES, sc_sb, sc_sh,
-    qk_scale, k_lo, k_step,
+    qk_scale, k_lo, k_step, KLT, klt_sh, VLT, vlt_sh,
     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     P: tl.constexpr, BN: tl.constexpr, DBN: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr,
     V_GROUP: tl.constexpr, V_HAS_ZERO: tl.constexpr, K_NOUT: tl.constexpr, K_KCP: tl.constexpr,
@@ -161,19 +164,28 @@ def _phase_split_kernel(
     WRITE_SCORES: tl.constexpr, DOT_FP32: tl.constexpr, DT: tl.constexpr,
     PHK: tl.constexpr, PHV: tl.constexpr, WK: tl.constexpr, WV: tl.constexpr, K_WB: tl.constexpr,
     V_WB: tl.constexpr, MAGIC: tl.constexpr, SHIFT: tl.constexpr, GQ: tl.constexpr, NGP: tl.constexpr,
-    K_AFFINE: tl.constexpr, K_MAGIC: tl.constexpr, K_SHIFT: tl.constexpr,
+    K_AFFINE: tl.constexpr, K_MAGIC: tl.constexpr, K_SHIFT: tl.constexpr, ASM: tl.constexpr,
+    LT_OFF: tl.constexpr,
 ):
     """Grid (B * Hkv, body splits + 1). Partial rows per (b, query head): one per body split, then the exact
     parts (sinks, tail) at n_body_splits. KIND: int (3) or nuq (4); GQ: G rounded up to a power of two;
     NGP: value channel groups (DV / V_GROUP) rounded up so that RV = NGP * GQ >= 8 columns. K_AFFINE: nuq
     keys whose levels are evenly spaced, lo + step * c (k_lo, k_step): decoded as integer codes (K_MAGIC,
-    K_SHIFT) with the page scale and zero folded, no level lookup."""
+    K_SHIFT) with the page scale and zero folded, no level lookup. ASM: codes unpacked by inline PTX
+    (unpack_asm_triton: int codes, and 4-bit levels in place of the shuffle; the GPU only, bf16 / fp16 dots);
+    KLT / VLT: the codebooks' byte tables (streams.level_tables), LT_OFF: their columns for DT."""
     RV: tl.constexpr = NGP * GQ
     NG: tl.constexpr = DV // V_GROUP
     IS_INT: tl.constexpr = KIND == 3
     K_INT: tl.constexpr = IS_INT or K_AFFINE  # keys enter the dots as integer codes
     K_KIND: tl.constexpr = 3 if K_AFFINE else KIND
     C: tl.constexpr = 1 << (BITS - 1)
+    PPB: tl.constexpr = 8 // BITS  # codes per byte
+    K_ASM: tl.constexpr = ASM and K_INT
+    V_ASM: tl.constexpr = ASM and IS_INT
+    # 4-bit codebook levels by byte permutes in place of the warp shuffle
+    K_LUT_ASM: tl.constexpr = ASM and K_KIND == 4 and BITS == 4 and LUT == 2
+    V_LUT_ASM: tl.constexpr = ASM and KIND == 4 and BITS == 4 and LUT == 2
     tl.static_assert(BN % P == 0)
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -234,6 +246,12 @@ def _phase_split_kernel(
             klev = tl.load(kcb + tl.arange(0, 1 << BITS)).to(DT)
         else:
             klev = 0
+        ktt = 0
+        if K_LUT_ASM:
+            ktt = table_tiles(KLT + h * klt_sh + LT_OFF, BN, WK)
+        vtt = 0
+        if V_LUT_ASM:
+            vtt = table_tiles(VLT + h * vlt_sh + LT_OFF, WV, BN)
         m_i = tl.full([GQ], NEG_BIG, tl.float32)
         l_i = tl.zeros([GQ], tl.float32)
         z_acc = tl.zeros([RV], tl.float32)  # added to every channel of the column (value zeros, SHIFT)
@@ -277,7 +295,16 @@ def _phase_split_kernel(
                         # codes enter as c + K_SHIFT: (K_SHIFT + C) comes out with the same rounded operand and
                         # C goes back unrounded, so the operand's rounding multiplies the centred codes
                         fix += C * qs - (K_SHIFT + C) * qd.to(tl.float32)
-                    codes = _phase(kw, I, BITS, K_MAGIC, K_SHIFT, DOT_FP32, DT, K_KIND, LUT, klev, kcb)
+                    if K_ASM:
+                        if I % PPB == 0:
+                            kbyte = byte_codes(kw, I // PPB, BITS, K_MAGIC, DT)
+                        codes = kbyte[I % PPB]
+                    elif K_LUT_ASM:
+                        if I % 2 == 0:
+                            kbyte = byte_levels(kw, I // 2, ktt, DT)
+                        codes = kbyte[I % 2]
+                    else:
+                        codes = _phase(kw, I, BITS, K_MAGIC, K_SHIFT, DOT_FP32, DT, K_KIND, LUT, klev, kcb)
                     part = _mma(codes, qd, part, DOT_FP32)
                 sT = tl.where(((t // P) == j)[:, None], part + tl.sum(fix, 0)[None, :], sT)
             if K_NOUT > 0:  # exact key outliers: (exact - coded) . q, one sparse one-hot dot per tile
@@ -315,8 +342,17 @@ def _phase_split_kernel(
             vw = _words(vc, vc_step, tok, ok, WV, True)  # [WV, BN]
             new = ()
             for I in tl.static_range(PHV):
-                new = new + (_mma(_phase(vw, I, BITS, MAGIC, SHIFT, DOT_FP32, DT, KIND, LUT, vlev, vcb), ad,
-                                  accs[I] * alpha_v[None, :], DOT_FP32),)
+                if V_ASM:
+                    if I % PPB == 0:
+                        vbyte = byte_codes(vw, I // PPB, BITS, MAGIC, DT)
+                    vcodes = vbyte[I % PPB]
+                elif V_LUT_ASM:
+                    if I % 2 == 0:
+                        vbyte = byte_levels(vw, I // 2, vtt, DT)
+                    vcodes = vbyte[I % 2]
+                else:
+                    vcodes = _phase(vw, I, BITS, MAGIC, SHIFT, DOT_FP32, DT, KIND, LUT, vlev, vcb)
+                new = new + (_mma(vcodes, ad, accs[I] * alpha_v[None, :], DOT_FP32),)
             accs = new
             m_i = m_new
         out_g = (b * HKV * G + h * G + gh) * NS + split

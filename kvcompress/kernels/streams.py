@@ -165,6 +165,32 @@ def _affine_levels(codec: NuqCodec) -> tuple[float, float] | None:
     return found
 
 
+def level_tables(codec: NuqCodec, device) -> torch.Tensor:
+    """A 4-bit codebook as the byte tables read by the phase kernel's inline-PTX lookup (unpack_asm_triton):
+    int32 [H or 1, 16], one row per codebook; columns 0-3 hold the low bytes of levels 4k..4k+3 rounded
+    to bf16 (byte j = level 4k + j), columns 4-7 their high bytes, columns 8-15 the same for fp16. Made
+    once per codec and device (the codebook is fixed once the codec exists), so decode steps, captured
+    ones included, never sync."""
+    cached = codec.__dict__.get("_level_tables")
+    if cached is not None and cached.device == torch.device(device):
+        return cached
+    cb = codec.codebook.detach().float().cpu()
+    cb = cb.reshape(-1, cb.shape[-1])
+    if cb.shape[-1] != 16:
+        raise ValueError(f"level tables are for 4-bit codebooks (16 levels), got {cb.shape[-1]}")
+    shift = torch.tensor([0, 8, 16, 24], dtype=torch.int64)
+    cols = []
+    for dtype in (torch.bfloat16, torch.float16):
+        bits = cb.to(dtype).view(torch.int16).to(torch.int64) & 0xFFFF  # [Hc, 16]
+        for part in (bits & 0xFF, bits >> 8):
+            cols.append((part.view(-1, 4, 4) << shift).sum(-1))  # [Hc, 4]: disjoint bytes, sum = OR
+    words = torch.cat(cols, -1)
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # the same 32 bits, signed
+    tables = words.contiguous().to(device)
+    codec.__dict__["_level_tables"] = tables
+    return tables
+
+
 def _strides4(t: torch.Tensor) -> tuple[int, int, int, int]:
     return t.stride(0), t.stride(1), t.stride(2), t.stride(3) if t.dim() > 3 else 0
 
