@@ -470,9 +470,13 @@ def _cuda_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _table_stride(t: torch.Tensor) -> int:
-    """Head stride of level tables [H or 1, 16] (0: one codebook for every head); 0 for a placeholder."""
-    return t.stride(0) if t.dim() == 2 and t.shape[0] > 1 and t.dtype == torch.int32 else 0
+def _lut_args(stream, wanted: bool, placeholder: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(level tables [H or 1, 16], head stride: 0 for one codebook shared by every head) of a stream whose
+    4-bit levels the phase kernel reads by byte permutes; (placeholder, 0) when it does not."""
+    if not wanted:
+        return placeholder, 0
+    tables = level_tables(stream.codec, placeholder.device)
+    return tables, tables.stride(0) if tables.shape[0] > 1 else 0
 
 
 def _stream_launch_args(a: StreamArgs) -> list:
@@ -602,10 +606,10 @@ def decode_attention_triton(
         asm = unpack != "ops" and dot != "fp32" and q.is_cuda and not interpreting()
         # 4-bit codebooks read by byte permutes (inline PTX) need their byte tables; else a placeholder
         lut_asm = asm and lut in (None, "shuffle")
-        k_lt = level_tables(parts.key.codec, dev) if lut_asm and key_args.kind == KIND_NUQ and (
-            key_args.bits == 4 and not k_affine) else q
-        v_lt = level_tables(parts.value.codec, dev) if lut_asm and value_args.kind == KIND_NUQ and (
-            value_args.bits == 4) else q
+        k_lut = lut_asm and key_args.kind == KIND_NUQ and key_args.bits == 4 and not k_affine
+        v_lut = lut_asm and value_args.kind == KIND_NUQ and value_args.bits == 4
+        k_lt, klt_sh = _lut_args(parts.key, k_lut, q)
+        v_lt, vlt_sh = _lut_args(parts.value, v_lut, q)
         kernel, extra = phase._phase_split_kernel, dict(
             KIND=key_args.kind, BITS=key_args.bits, V_GROUP=value_args.group, V_HAS_ZERO=value_args.has_zero,
             K_NOUT=key_args.n_outliers, K_KCP=max(16, _next_pow2(key_args.n_outliers)),
@@ -614,14 +618,14 @@ def decode_attention_triton(
             WV=fast.words(value_args, dv), K_WB=fast.word_bits(key_args, dk), V_WB=fast.word_bits(value_args, dv),
             MAGIC=magic, SHIFT=shift, GQ=gq, NGP=_next_pow2(max(dv // value_args.group, -(-8 // gq))),
             K_AFFINE=k_affine is not None, K_MAGIC=k_magic, K_SHIFT=k_shift, k_lo=k_lo, k_step=k_step,
-            ASM=asm, LT_OFF=8 if dot == "fp16" else 0, KLT=k_lt, klt_sh=_table_stride(k_lt),
-            VLT=v_lt, vlt_sh=_table_stride(v_lt))
+            ASM=asm, K_LUT_ASM=k_lut, V_LUT_ASM=v_lut, LT_OFF=8 if dot == "fp16" else 0, KLT=k_lt,
+            klt_sh=klt_sh, VLT=v_lt, vlt_sh=vlt_sh)
         num_warps = num_warps or 1  # measured on an H200 (BENCHMARKS.md): one warp per program
         # two stages: 8 programs per multiprocessor (255 registers each) where three stages' shared memory
         # left room for 6; int4 0.30 -> 0.21 ms at 32K x 8 (BENCHMARKS.md, 2026-12-02)
         # one stage where 4-bit levels are read by byte permutes: in a pipelined loop Triton sent every
         # lookup's result through shared memory (compiled PTX, unpack_asm_triton.table_tiles)
-        num_stages = num_stages or (1 if v_lt is not q or k_lt is not q else 2)
+        num_stages = num_stages or (1 if k_lut or v_lut else 2)
     elif paged and fast.is_fp8(key_args) and fast.is_fp8(value_args):
         from kvcompress.kernels.decode_fp8_triton import _fp8_split_kernel
 

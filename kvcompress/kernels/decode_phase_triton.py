@@ -165,15 +165,16 @@ def _phase_split_kernel(
     PHK: tl.constexpr, PHV: tl.constexpr, WK: tl.constexpr, WV: tl.constexpr, K_WB: tl.constexpr,
     V_WB: tl.constexpr, MAGIC: tl.constexpr, SHIFT: tl.constexpr, GQ: tl.constexpr, NGP: tl.constexpr,
     K_AFFINE: tl.constexpr, K_MAGIC: tl.constexpr, K_SHIFT: tl.constexpr, ASM: tl.constexpr,
-    LT_OFF: tl.constexpr,
+    K_LUT_ASM: tl.constexpr, V_LUT_ASM: tl.constexpr, LT_OFF: tl.constexpr,
 ):
     """Grid (B * Hkv, body splits + 1). Partial rows per (b, query head): one per body split, then the exact
     parts (sinks, tail) at n_body_splits. KIND: int (3) or nuq (4); GQ: G rounded up to a power of two;
     NGP: value channel groups (DV / V_GROUP) rounded up so that RV = NGP * GQ >= 8 columns. K_AFFINE: nuq
     keys whose levels are evenly spaced, lo + step * c (k_lo, k_step): decoded as integer codes (K_MAGIC,
     K_SHIFT) with the page scale and zero folded, no level lookup. ASM: codes unpacked by inline PTX
-    (unpack_asm_triton: int codes, and 4-bit levels in place of the shuffle; the GPU only, bf16 / fp16 dots);
-    KLT / VLT: the codebooks' byte tables (streams.level_tables), LT_OFF: their columns for DT."""
+    (unpack_asm_triton; the GPU only, bf16 / fp16 dots): int codes, and with K_LUT_ASM / V_LUT_ASM 4-bit
+    levels in place of the shuffle, from KLT / VLT, the codebooks' byte tables (streams.level_tables),
+    LT_OFF: their columns for DT."""
     RV: tl.constexpr = NGP * GQ
     NG: tl.constexpr = DV // V_GROUP
     IS_INT: tl.constexpr = KIND == 3
@@ -183,9 +184,6 @@ def _phase_split_kernel(
     PPB: tl.constexpr = 8 // BITS  # codes per byte
     K_ASM: tl.constexpr = ASM and K_INT
     V_ASM: tl.constexpr = ASM and IS_INT
-    # 4-bit codebook levels by byte permutes in place of the warp shuffle
-    K_LUT_ASM: tl.constexpr = ASM and K_KIND == 4 and BITS == 4 and LUT == 2
-    V_LUT_ASM: tl.constexpr = ASM and KIND == 4 and BITS == 4 and LUT == 2
     tl.static_assert(BN % P == 0)
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
