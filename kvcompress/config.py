@@ -27,6 +27,7 @@ QUANT_AXES = ("channel", "token", "page")
 CODEBOOKS = ("gaussian", "laplace", "student_t5")
 OUTLIER_SCOPES = ("page", "token")
 SCALE_FORMATS = ("fp16", "e4m3", "e5m2")
+INT_RANGE_FITS = ("minmax", "mse")  # QuantSpec.range_fit (method "int")
 SPARSITY_METHODS = ("none", "streaming", "h2o", "snapkv", "quest")
 BUDGET_SHARING = ("none", "heads", "layers")  # SparsitySpec.budget_sharing (Quest)
 # Per-stream tensors a config may carry (key.<name> / value.<name>), and per-layer ones.
@@ -63,6 +64,9 @@ class QuantSpec:
     axis="page" it holds each page's per-channel range (scale and zero: the zero rounded to nearest, the scale
     then widened so the range stays covered; e4m3 clips keys beyond +-896); on axis="token" the per-token
     scale, rounded to nearest (e5m2 reaches down to 6e-5 in normal numbers, e4m3 to 0.016).
+    range_fit (method "int"): "minmax" spans each group's min and max (KIVI); "mse" shrinks each group's range
+    about its middle to the ratio (1.0 to 0.6) with the least squared error and clips what falls outside
+    (the int2 preset's keys: attention sinks must then stay exact, whose keys the clip would cut).
     """
 
     method: str = "none"
@@ -77,6 +81,7 @@ class QuantSpec:
     codebook: str = "gaussian"
     outlier_scope: str = "page"
     scale_format: str = "fp16"
+    range_fit: str = "minmax"
 
     def __post_init__(self):
         if self.method not in QUANT_METHODS:
@@ -110,6 +115,12 @@ class QuantSpec:
             raise ConfigError(
                 f"scale_format={self.scale_format!r} applies to method='nuq' with axis='page' or 'token', "
                 f"not method={self.method!r} axis={self.axis!r}: leave scale_format='fp16'"
+            )
+        if self.range_fit not in INT_RANGE_FITS:
+            raise ConfigError(f"unknown range_fit {self.range_fit!r}; use one of {INT_RANGE_FITS}")
+        if self.range_fit != "minmax" and self.method != "int":
+            raise ConfigError(
+                f"range_fit={self.range_fit!r} applies to method='int', not {self.method!r}: leave range_fit='minmax'"
             )
         if self.codebook not in CODEBOOKS:
             raise ConfigError(f"unknown codebook {self.codebook!r}; use one of {CODEBOOKS}")

@@ -616,6 +616,10 @@ def test_triton_encoder_takes_only_what_it_handles():
     assert not triton_encodes(fp8(scale=torch.ones(2)))  # static scales: the codec's torch encode
     assert not triton_encodes(make_codec(SPECS["nuq4-kout"][0], page_size=16, head_dim=64, num_heads=2,
                                          dtype=torch.float32, tensors={}, seed=0))
+    for fit, handled in (("minmax", True), ("mse", False)):  # fitted int ranges search on the torch path
+        spec = QuantSpec(method="int", bits=2, axis="channel", range_fit=fit)
+        assert triton_encodes(make_codec(spec, page_size=16, head_dim=64, num_heads=2, dtype=torch.float32,
+                                         tensors={}, seed=0)) is handled
 
 
 @needs_triton

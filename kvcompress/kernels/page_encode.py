@@ -3,7 +3,7 @@ twin and Triton.
 
 `encode_pages_torch(codec, x, row)` is the codec's own `encode`; `encode_pages_triton` does the same in
 one launch per call, one program per (batch, head, page), for FP8 (per-token dynamic scales) and KIVI
-integers (per-page-channel or per-token-group scales, 2/4/8 bits). NUQ encoding (nearest codebook
+integers (per-page-channel or per-token-group min-max scales, 2/4/8 bits). NUQ encoding (nearest codebook
 level plus the per-page outlier top-k) stays on the torch path, replayed from a CUDA graph on the GPU
 when the caller passes a `GraphedEncoder` (page_encode_graph.py). `encode_pages` dispatches.
 x: [B, H, n_pages * P, D] -> fields as the codec's `encode` returns them.
@@ -29,8 +29,9 @@ def triton_encodes(codec: Codec) -> bool:
     if isinstance(codec, Fp8Codec):  # dynamic per-token scales (static scales and shifts: torch)
         return (codec.static_scale is None and codec.channel_shift is None
                 and pow2(codec.head_dim) and pow2(codec.page_size))
-    if isinstance(codec, UniformCodec):
-        return codec.nbits in (2, 4, 8) and pow2(codec.head_dim) and pow2(codec.page_size) and pow2(codec.group)
+    if isinstance(codec, UniformCodec):  # min-max ranges (fitted ranges search on the torch path)
+        return (codec.range_fit == "minmax" and codec.nbits in (2, 4, 8)
+                and pow2(codec.head_dim) and pow2(codec.page_size) and pow2(codec.group))
     return False
 
 

@@ -38,7 +38,9 @@ def make_codec(
     if spec.method == "int":
         from kvcompress.quant.uniform import UniformCodec
 
-        return UniformCodec(nbits=spec.bits, axis=spec.axis, group_size=spec.group_size, **common)
+        return UniformCodec(
+            nbits=spec.bits, axis=spec.axis, group_size=spec.group_size, range_fit=spec.range_fit, **common
+        )
     if spec.method == "nuq":
         from kvcompress.quant.nuq import NuqCodec
 
