@@ -174,14 +174,15 @@ def test_page_encode_bit_exact(spec):
         assert torch.equal(want[name], got[name]), name
 
 
-@pytest.mark.parametrize("preset", ["nuq4", "nuq3", "nuq2", "k8v4"])
+@pytest.mark.parametrize("preset", ["nuq4", "nuq3", "nuq2", "k8v4", "int2"])
 def test_graphed_page_encode_is_bit_exact(preset, monkeypatch):
     """A layer of each preset whose pages the torch encode codes (NUQ with outliers and rotations, FP8 keys
-    beside NUQ values), at Llama-8B layer size in bf16: 200-token prefill, then 200 tokens one at a time
+    beside NUQ values, int2's fitted key ranges), at Llama-8B layer size in bf16: 200-token prefill, then 200 tokens one at a time
     (several pages, each after the first replayed from the page shape's graph), stores bit for bit what the
     eager encodes store."""
     from kvcompress.cache import CompressedLayer
     from kvcompress.config import KVCompressConfig, ModelLayout
+    from kvcompress.kernels.page_encode import triton_encodes
 
     if DEV != "cuda":
         pytest.skip("CUDA graphs need a GPU")
@@ -200,7 +201,7 @@ def test_graphed_page_encode_is_bit_exact(preset, monkeypatch):
     eager, graphed = stored["0"], stored["1"]
     assert eager.key_store.n_pages == graphed.key_store.n_pages >= 6
     for store in (graphed.key_store, graphed.value_store):
-        if store.codec.__class__.__name__ == "NuqCodec":  # k8v4's FP8 keys take the Triton encoder
+        if not triton_encodes(store.codec):  # k8v4's FP8 keys and int2's min-max values take the Triton encoder
             assert any(e.graph is not None for e in store.graphed.entries.values())
     for a, b in ((eager.key_store, graphed.key_store), (eager.value_store, graphed.value_store)):
         assert a.data.keys() == b.data.keys()
@@ -512,7 +513,7 @@ def _replay_against_eager(model, cfg, seed: int, steps: int = 72):
     return graph, eager_graph, worst_eager, worst_grow, same, caches
 
 
-@pytest.mark.parametrize("preset", ["nuq4", "int4", "fp8", "fp8-shift"])
+@pytest.mark.parametrize("preset", ["nuq4", "int4", "int2", "fp8", "fp8-shift"])
 def test_decode_graph_replays_the_step(preset):
     """A 4-layer bf16 Llama (8 query / 2 kv heads, d 128), batch 3 with one row left-padded by 100 tokens,
     600-token prompt, 72 teacher-forced steps (several page flushes): DecodeGraph's replayed steps equal its eager fixed-address steps (same kernels,
