@@ -440,6 +440,20 @@ def test_scale_format_is_checked():
         QuantSpec(method="nuq", bits=4, axis="channel", scale_format="e4m3")
 
 
+def test_range_fit_is_checked_and_saved(tmp_path):
+    from kvcompress.config import ConfigError, KVCompressConfig
+    from kvcompress.layout.arch import ModelLayout
+
+    with pytest.raises(ConfigError, match="unknown range_fit"):
+        QuantSpec(method="int", bits=2, axis="channel", range_fit="l1")
+    with pytest.raises(ConfigError, match="applies to method='int'"):
+        QuantSpec(method="nuq", bits=2, axis="page", range_fit="mse")
+    cfg = KVCompressConfig.from_preset("int2", ModelLayout("llama", 2, 2, 64, 64, ("full_attention",) * 2))
+    cfg.save(tmp_path / "int2.safetensors")
+    loaded = KVCompressConfig.load(tmp_path / "int2.safetensors")
+    assert [(p.key.range_fit, p.value.range_fit, p.sinks) for p in loaded.layers] == [("mse", "minmax", 8)] * 2
+
+
 def test_one_byte_scales_halve_the_metadata():
     """A nuq4 stream with FP8 scales stores its page ranges (keys) or token scales (values) in half the
     bytes, and `Codec.bits` says so."""
