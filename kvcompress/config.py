@@ -120,7 +120,8 @@ class QuantSpec:
             raise ConfigError(f"unknown range_fit {self.range_fit!r}; use one of {INT_RANGE_FITS}")
         if self.range_fit != "minmax" and self.method != "int":
             raise ConfigError(
-                f"range_fit={self.range_fit!r} applies to method='int', not {self.method!r}: leave range_fit='minmax'"
+                f"range_fit={self.range_fit!r} applies to method='int', not {self.method!r}: "
+                "leave range_fit='minmax'"
             )
         if self.codebook not in CODEBOOKS:
             raise ConfigError(f"unknown codebook {self.codebook!r}; use one of {CODEBOOKS}")

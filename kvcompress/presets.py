@@ -135,9 +135,10 @@ PRESETS: dict[str, LayerFn] = {
     "int8": _kivi(8),
     "int4": _kivi(4),
     "int3": _kivi(3),
-    # int2: 8 exact sinks and key ranges fitted by least squares. On SmolLM2 (float32, one window, BENCHMARKS.md
-    # "int2 with fitted key ranges") +5.1 % at 2048 and +5.2 % at 4096; plain KIVI +33 % / +28 %, with the
-    # sinks alone +10.9 % at 2048, fitted ranges without sinks +76 % (the clip cuts the sinks' keys).
+    # int2: 8 exact sinks and key ranges fitted by least squares. On SmolLM2 (float32, one window,
+    # BENCHMARKS.md "int2 with fitted key ranges") +5.1 % at 2048 and +5.2 % at 4096; plain KIVI +33 % /
+    # +28 %, with the sinks alone +10.9 % at 2048, fitted ranges without sinks +76 % (the clip cuts the
+    # sinks' keys).
     "int2": _kivi(2, key_fit="mse", sinks=8),
     "nuq4": _nuq(4),
     "nuq3": _nuq(3),

@@ -177,9 +177,9 @@ def test_page_encode_bit_exact(spec):
 @pytest.mark.parametrize("preset", ["nuq4", "nuq3", "nuq2", "k8v4", "int2"])
 def test_graphed_page_encode_is_bit_exact(preset, monkeypatch):
     """A layer of each preset whose pages the torch encode codes (NUQ with outliers and rotations, FP8 keys
-    beside NUQ values, int2's fitted key ranges), at Llama-8B layer size in bf16: 200-token prefill, then 200 tokens one at a time
-    (several pages, each after the first replayed from the page shape's graph), stores bit for bit what the
-    eager encodes store."""
+    beside NUQ values, int2's fitted key ranges), at Llama-8B layer size in bf16: 200-token prefill, then 200
+    tokens one at a time (several pages, each after the first replayed from the page shape's graph), stores
+    bit for bit what the eager encodes store."""
     from kvcompress.cache import CompressedLayer
     from kvcompress.config import KVCompressConfig, ModelLayout
     from kvcompress.kernels.page_encode import triton_encodes
@@ -201,7 +201,7 @@ def test_graphed_page_encode_is_bit_exact(preset, monkeypatch):
     eager, graphed = stored["0"], stored["1"]
     assert eager.key_store.n_pages == graphed.key_store.n_pages >= 6
     for store in (graphed.key_store, graphed.value_store):
-        if not triton_encodes(store.codec):  # k8v4's FP8 keys and int2's min-max values take the Triton encoder
+        if not triton_encodes(store.codec):  # k8v4's FP8 keys, int2's min-max values: the Triton encoder
             assert any(e.graph is not None for e in store.graphed.entries.values())
     for a, b in ((eager.key_store, graphed.key_store), (eager.value_store, graphed.value_store)):
         assert a.data.keys() == b.data.keys()
