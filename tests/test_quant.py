@@ -172,7 +172,8 @@ def test_fitted_int_ranges_never_code_a_group_worse_than_min_max(bits, axis):
         y, f = round_trip(INT(bits, axis, fit), 32, x)
         e = (y - x).double().pow(2)
         # per group: a page's channel [.., 8 pages, 32 tokens, 64] or a token's 32 channels [.., 256, 2, 32]
-        errs[fit] = e.reshape(1, 2, 8, 32, 64).sum(3) if axis == "channel" else e.reshape(1, 2, 256, 2, 32).sum(4)
+        by_page, by_token = e.reshape(1, 2, 8, 32, 64).sum(3), e.reshape(1, 2, 256, 2, 32).sum(4)
+        errs[fit] = by_page if axis == "channel" else by_token
         scales[fit] = f["scale"].float()
     assert (errs["mse"] <= errs["minmax"]).all()
     assert (scales["mse"] <= scales["minmax"]).all()
