@@ -12,12 +12,10 @@ VENV="${KVC_VENV:-.venv}"
 export TRITON_INTERPRET="${TRITON_INTERPRET:-1}"
 WORKERS="${KVC_TEST_WORKERS:-$(nproc)}"
 if [ "$WORKERS" -gt 8 ]; then WORKERS=8; fi  # each worker loads SmolLM2 once; more barely helps
-PARALLEL=()
 if [ "$WORKERS" -gt 1 ]; then
-  PARALLEL=(-n "$WORKERS")
   export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"  # workers x threads = cores, not their square
 fi
-python -m pytest -q -p no:cacheprovider ${PARALLEL[@]+"${PARALLEL[@]}"} tests "$@"
+python -m pytest -q -p no:cacheprovider -n "$WORKERS" tests "$@"
 
 # transformers 5.17 lives in its own folder, put first on PYTHONPATH for the compat run only. Installed
 # without dependencies (the environment's torch, tokenizers, safetensors serve both releases), plus the
@@ -29,4 +27,4 @@ if ! PYTHONPATH="$TF517" python -c 'import sys, transformers; sys.exit(not trans
 fi
 # KVC_EXPECT_TRANSFORMERS makes a test fail if this run imported another transformers.
 KVC_EXPECT_TRANSFORMERS=5.17 PYTHONPATH="$TF517" \
-  python -m pytest -q -p no:cacheprovider ${PARALLEL[@]+"${PARALLEL[@]}"} -m compat tests "$@"
+  python -m pytest -q -p no:cacheprovider -n "$WORKERS" -m compat tests "$@"
