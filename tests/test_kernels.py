@@ -227,6 +227,51 @@ def test_fp8_kernel_with_fp16_operands(name):
     check_triton(parts, q, tol=2e-3)
 
 
+def test_scale_words_share_the_fp16_scales():
+    """fp8's per-token fp16 scales handed over as int32 words: a view of the same storage whose words hold
+    each row's scales in token order; anything else (odd token count, tokens not adjacent, float32) keeps
+    the per-token loads."""
+    import dataclasses
+
+    from kvcompress.kernels.scale_words import WORDS_FP16, WORDS_NONE, scale_words
+    from kvcompress.kernels.streams import stream_args
+
+    parts = make_parts("fp8", b=2, hkv=2, d=64, pages=3, seed=8)
+    a = stream_args(parts.key.codec, parts.key.data, parts.key.row)
+    w, sw = scale_words(a)
+    assert sw == WORDS_FP16 and w.scale.dtype == torch.int32
+    assert w.scale.untyped_storage().data_ptr() == a.scale.untyped_storage().data_ptr()
+    sb, sh, _, _ = w.scale_strides
+    n = a.scale.shape[2]
+    for b in range(2):
+        for h in range(2):
+            row = w.scale[b * sb + h * sh: b * sb + h * sh + n // 2].view(torch.float16)
+            assert torch.equal(row, a.scale[b, h, :, 0])
+    assert scale_words(dataclasses.replace(a, scale=a.scale[:, :, :n - 1]))[1] == WORDS_NONE
+    strided = dataclasses.replace(a, scale_strides=(a.scale_strides[0], a.scale_strides[1], 2, 1))
+    assert scale_words(strided)[1] == WORDS_NONE
+    assert scale_words(dataclasses.replace(a, scale=a.scale.float()))[1] == WORDS_NONE
+
+
+@needs_triton
+@pytest.mark.parametrize("exact_apart", [True, False], ids=["exact-in-merge", "exact-in-body-launch"])
+@pytest.mark.parametrize("name", ["fp8", "fp8-shift-kstatic"])
+def test_fp8_exact_parts_in_the_merge(name, exact_apart):
+    """The fp8 kernel leaves sinks and tail to the split merge (exact_reduce_triton; the default) or runs
+    them in its own launch: both equal the twin, probabilities included, with left padding in the sinks,
+    the body and the tail, ragged lengths, splits whose last block is partly filled (block 32 over pages
+    of 16), and rows whose body is empty."""
+    parts = make_parts(name, b=3, hkv=2, d=64, pages=5, page=16, sinks=3, tail=5, lengths=[80, 53, 37],
+                       seed=40)
+    parts.row_starts = torch.tensor([2, 40, 0], dtype=torch.int32)
+    q = torch.randn(3, 6, 64, generator=torch.Generator().manual_seed(41))
+    check_triton(parts, q, block_n=32, splits=2, exact_apart=exact_apart)
+    parts.row_starts = None
+    check_triton(parts, q, block_n=32, splits=3, exact_apart=exact_apart)
+    parts.body_lengths = torch.tensor([0, 16, 0], dtype=torch.int32)
+    check_triton(parts, q, block_n=32, exact_apart=exact_apart)
+
+
 @needs_triton
 @pytest.mark.parametrize("name", ["nuq4", "int4", "fp8"])
 def test_triton_page_list_gqa8_d128(name):

@@ -528,13 +528,15 @@ def decode_attention_triton(
     phase_kernel: bool = True,
     fp8_f16: bool = True,
     unpack: str | None = None,
+    exact_apart: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Fused decode attention; same signature and result as `decode_attention_torch`.
 
     q [B, Hq, Dk]; parts: see AttentionParts; page_list [B, Hkv, n_sel] (Quest); returns
     (out [B, Hq, Dv] in q.dtype, probs [B, Hkv, S+N+T] fp32 or None). Tuning: block_n body tokens per
-    step (None: 64 with outliers, else 128; the phase kernel: one page of 32), num_warps (None: 1 for the
-    phase kernel, else 4) / num_stages (None: 2 for the phase kernel, else 3) of the split kernel, splits
+    step (None: 64 with outliers, else 128; the phase kernel: one page of 32; the fp8 kernel: 32),
+    num_warps (None: 1 for the phase and fp8 kernels, else 4) / num_stages (None: 2 for the phase kernel,
+    else 3) of the split kernel, splits
     per (batch, kv head) (None: 16 per multiprocessor over all (batch, kv head) pairs), lut: how the fast
     kernels read nuq codebooks ("select": a select tree, "gather": a load per element, "shuffle": a warp
     shuffle from levels held in registers, the phase kernel only; the paged kernel reads "shuffle" as
@@ -543,7 +545,10 @@ def decode_attention_triton(
     keys per page) on decode_paged_triton (to compare the two), fp8_f16: False keeps fp8 caches' dots in
     the model dtype (to compare; True: fp16 operands, see decode_fp8_triton), unpack: how the phase kernel
     turns int codes into bf16 / fp16 operands ("asm": inline PTX, several codes per instruction, the GPU
-    only; "ops": Triton operations, one code at a time, the same values; None: "asm" where it runs).
+    only; "ops": Triton operations, one code at a time, the same values; None: "asm" where it runs),
+    exact_apart: the fp8 kernel leaves the sinks and tail to the split merge (exact_reduce_triton), so the
+    body's launch does not carry their registers and shared memory (False: all in the body's launch, to
+    compare).
     """
     if lut not in (None, "select", "gather", "shuffle"):
         raise ValueError(f"lut must be 'select', 'gather' or 'shuffle', got {lut!r}")
@@ -588,7 +593,7 @@ def decode_attention_triton(
     from kvcompress.kernels import decode_paged_triton as fast
     from kvcompress.kernels import decode_phase_triton as phase
 
-    kernel, extra, ppi = _decode_split_kernel, {}, 1
+    kernel, extra, ppi, apart, block_n_given = _decode_split_kernel, {}, 1, False, block_n
     dot = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
     paged = key_args is not None and fast.paged_supported(key_args, dk, page_size, True) and fast.paged_supported(
         value_args, dv, page_size, False)
@@ -628,8 +633,16 @@ def decode_attention_triton(
         num_stages = num_stages or (1 if k_lut or v_lut else 2)
     elif paged and fast.is_fp8(key_args) and fast.is_fp8(value_args):
         from kvcompress.kernels.decode_fp8_triton import _fp8_split_kernel
+        from kvcompress.kernels.scale_words import WORDS_NONE, scale_words
 
-        kernel, extra = _fp8_split_kernel, dict(F16=fp8_f16 and dtype != torch.float32)
+        k_sw = v_sw = WORDS_NONE
+        if page_list is None:  # per-token 16-bit scales read two to a word (scale_words.py)
+            key_args, k_sw = scale_words(key_args)
+            value_args, v_sw = scale_words(value_args)
+        kernel, extra = _fp8_split_kernel, dict(F16=fp8_f16 and dtype != torch.float32, K_SW=k_sw, V_SW=v_sw)
+        apart = exact_apart
+        # measured on an H200 (BENCHMARKS.md, 2026-12-02): blocks of 32 tokens, one warp, three stages
+        block_n, num_warps, num_stages = block_n_given or 32, num_warps or 1, num_stages or 3
     elif paged:
         block_n, ppi = fast.paged_block(key_args, value_args, page_size, block_n)
         k_magic, k_shift = fast.magic(key_args, dk, dot, True)
@@ -675,8 +688,7 @@ def decode_attention_triton(
     else:
         scores = m_part
     dummy_stream = [q, 0, 0, 0, q, q, 0, 0, 0, 0, q, 0, q, q, 0, 0, 0]
-    grid = (b * hkv, body_splits + 1)
-    kernel[grid](
+    args = (
         q, q.stride(0), q.stride(1),
         *(_stream_launch_args(key_args) if key_args else dummy_stream),
         *(_stream_launch_args(value_args) if value_args else dummy_stream),
@@ -688,6 +700,8 @@ def decode_attention_triton(
         m_part, l_part, acc_part, scores, scores.stride(0) if return_probs else 0,
         scores.stride(1) if return_probs else 0,
         scaling * LOG2E,
+    )
+    consts = dict(
         HKV=hkv, G=group, GP=max(16, _next_pow2(group)), DK=dk, DV=dv, P=page_size, BN=block_n, DBN=32,
         HAS_LENS=parts.body_lengths is not None, HAS_TLEN=parts.tail_lengths is not None, HAS_STARTS=parts.row_starts is not None,
         HAS_PL=page_list is not None and key_args is not None, WRITE_SCORES=return_probs,
@@ -698,7 +712,26 @@ def decode_attention_triton(
     )
     out = torch.empty(b, hq, dv, device=dev, dtype=q.dtype)
     lse = torch.empty(b, hq, device=dev, dtype=torch.float32)
-    _reduce_kernel[(b * hq,)](m_part, l_part, acc_part, out, lse, n_splits, DV=dv, SB=16)
+    if apart:  # the body alone, then the exact parts in the merge (exact_reduce_triton)
+        from kvcompress.kernels.exact_reduce_triton import _exact_reduce_kernel
+
+        if body_splits:
+            kernel[(b * hkv, body_splits)](*args, **consts, BODY_ONLY=True)
+        _exact_reduce_kernel[(b * hq,)](
+            q, q.stride(0), q.stride(1),
+            sink_k, sink_k.stride(0), sink_k.stride(1), sink_k.stride(2),
+            sink_v, sink_v.stride(0), sink_v.stride(1), sink_v.stride(2), parts.n_sinks,
+            tail_k, tail_k.stride(0), tail_k.stride(1), tail_k.stride(2),
+            tail_v, tail_v.stride(0), tail_v.stride(1), tail_v.stride(2), parts.n_tail, tlen, starts, n_body,
+            scores, scores.stride(0) if return_probs else 0, scores.stride(1) if return_probs else 0,
+            m_part, l_part, acc_part, body_splits, n_splits, out, lse, scaling * LOG2E,
+            HKV=hkv, G=group, DK=dk, DV=dv, DBN=32, SB=16, HAS_TLEN=parts.tail_lengths is not None,
+            HAS_STARTS=parts.row_starts is not None, WRITE_SCORES=return_probs,
+            DOT_FP32=dtype == torch.float32, DT=_DOT_DTYPES[dtype],
+        )
+    else:
+        kernel[(b * hkv, body_splits + 1)](*args, **consts)
+        _reduce_kernel[(b * hq,)](m_part, l_part, acc_part, out, lse, n_splits, DV=dv, SB=16)
     if value_args is not None and value_args.rotation_signs is not None:
         from kvcompress.quant.rotation import unrotate
 

@@ -1,0 +1,80 @@
+"""The split merge of the fused decode attention with the exact parts (sinks, then tail) attended in the
+same launch, for body kernels that leave them out (decode_fp8_triton's PART 1).
+
+Why: in the fp8 body kernel the exact parts' code sat beside the body's, and the compiled kernel held
+the registers and shared memory of both (255 registers, 36.9 KB at one warp, against 168 and 21 KB
+without), so fewer programs fit on a multiprocessor; a launch of their own costs as much again in host
+time per step as the whole kernel. The merge is launched anyway, so it takes them. Torch twin: the
+exact parts and the merge of `decode_attention_torch`.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kvcompress.kernels.decode_attention_triton import NEG_BIG, _cast, _sinks_then_tail
+
+
+@triton.jit(do_not_specialize=("n_sink", "n_tail", "n_body", "n_body_splits", "n_splits"))
+def _exact_reduce_kernel(
+    Q, q_sb, q_sh,
+    SK, sk_sb, sk_sh, sk_sn, SV, sv_sb, sv_sh, sv_sn, n_sink,
+    TK, tk_sb, tk_sh, tk_sn, TV, tv_sb, tv_sh, tv_sn, n_tail, TLEN, STARTS, n_body,
+    SCORES, sc_sb, sc_sh, M_IN, L_IN, ACC_IN, n_body_splits, n_splits, OUT, LSE, qk_scale,
+    HKV: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DBN: tl.constexpr,
+    SB: tl.constexpr, HAS_TLEN: tl.constexpr, HAS_STARTS: tl.constexpr, WRITE_SCORES: tl.constexpr,
+    DOT_FP32: tl.constexpr, DT: tl.constexpr,
+):
+    """Grid (B * Hq,). Query head row = b * Hq + j of kv head j // G: attends over its kv head's sinks
+    and tail (a tile of 16 query rows of which only the first is real: the dots need 16), then merges the
+    result with the n_body_splits partial rows (m, l, acc) at row * n_splits + s; writes out [B, Hq, DV]
+    and lse (base 2) [B, Hq]. Scores of the exact positions go to SCORES when WRITE_SCORES."""
+    row = tl.program_id(0)
+    b = row // (HKV * G)
+    j = row % (HKV * G)
+    h = j // G
+    b64 = b.to(tl.int64)
+    if HAS_STARTS:
+        row_first = tl.load(STARTS + b).to(tl.int32)
+    else:
+        row_first = 0
+    if HAS_TLEN:
+        n_tail = tl.load(TLEN).to(tl.int32)
+    g = tl.arange(0, 16)
+    g_ok = g < 1
+    dk = tl.arange(0, DK)
+    dv = tl.arange(0, DV)
+    q = tl.load(Q + b64 * q_sb + (j + g)[:, None] * q_sh + dk[None, :], mask=g_ok[:, None], other=0.0)
+    m_e = tl.full([16], NEG_BIG, tl.float32)
+    l_e = tl.zeros([16], tl.float32)
+    acc = tl.zeros([16, DV], tl.float32)
+    m_e, l_e, acc = _sinks_then_tail(
+        m_e, l_e, acc, _cast(q.to(tl.float32), DOT_FP32, DT), SK + b64 * sk_sb + h * sk_sh,
+        SV + b64 * sv_sb + h * sv_sh, sk_sn, sv_sn, n_sink,
+        TK + b64 * tk_sb + h * tk_sh, TV + b64 * tv_sb + h * tv_sh, tk_sn, tv_sn, n_tail, n_body, row_first,
+        SCORES + b64 * sc_sb + (j + g)[:, None] * sc_sh, g_ok, qk_scale, WRITE_SCORES, DBN, DK, DV, DOT_FP32,
+        DT)
+    m0 = tl.max(tl.where(g_ok, m_e, NEG_BIG), 0)
+    l0 = tl.sum(tl.where(g_ok, l_e, 0.0), 0)
+    a0 = tl.sum(tl.where(g_ok[:, None], acc, 0.0), 0)
+    s = tl.arange(0, SB)
+    m_max = tl.full([SB], NEG_BIG, tl.float32)
+    for s0 in range(0, n_body_splits, SB):
+        m_max = tl.maximum(m_max, tl.load(M_IN + row * n_splits + s0 + s, mask=s0 + s < n_body_splits,
+                                          other=NEG_BIG))
+    big_m = tl.maximum(tl.max(m_max, 0), m0)
+    w0 = tl.exp2(m0 - big_m)
+    num = a0 * w0
+    den = tl.zeros([SB], tl.float32)
+    for s0 in range(0, n_body_splits, SB):
+        ok = s0 + s < n_body_splits
+        m = tl.load(M_IN + row * n_splits + s0 + s, mask=ok, other=NEG_BIG)
+        w = tl.where(ok, tl.exp2(m - big_m), 0.0)
+        den += w * tl.load(L_IN + row * n_splits + s0 + s, mask=ok, other=0.0)
+        a = tl.load(ACC_IN + (row * n_splits + s0 + s)[:, None] * DV + dv[None, :], mask=ok[:, None],
+                    other=0.0)
+        num += tl.sum(w[:, None] * a, 0)
+    total = tl.sum(den, 0) + l0 * w0
+    tl.store(OUT + row * DV + dv, (num / total).to(OUT.dtype.element_ty))
+    tl.store(LSE + row, big_m + tl.log2(total))
