@@ -420,28 +420,40 @@ def _decode_split_kernel(
     tl.store(ACC_OUT + out_row[:, None] * DV + dv[None, :], acc, mask=g_ok[:, None])
 
 
-@triton.jit(do_not_specialize=("n_splits",))
-def _reduce_kernel(M_IN, L_IN, ACC_IN, OUT, LSE, n_splits, DV: tl.constexpr, SB: tl.constexpr):
-    """Merge the splits of one (batch, query head): out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s."""
-    row = tl.program_id(0)
+@triton.jit
+def _merge_splits(M_IN, L_IN, ACC_IN, OUT, LSE, row, n_read, n_splits, m0, l0, a0, DV: tl.constexpr,
+                  SB: tl.constexpr):
+    """Merge partial rows 0 .. n_read - 1 of query head `row` (at row * n_splits + s) with one more partial
+    (m0, l0, a0 [DV]) held in registers; writes out [DV] and lse (base 2)."""
     dv = tl.arange(0, DV)
     s = tl.arange(0, SB)
     m_max = tl.full([SB], NEG_BIG, tl.float32)
-    for s0 in range(0, n_splits, SB):
-        m_max = tl.maximum(m_max, tl.load(M_IN + row * n_splits + s0 + s, mask=s0 + s < n_splits, other=NEG_BIG))
-    big_m = tl.max(m_max, 0)
-    num = tl.zeros([DV], tl.float32)
+    for s0 in range(0, n_read, SB):
+        m_max = tl.maximum(m_max, tl.load(M_IN + row * n_splits + s0 + s, mask=s0 + s < n_read,
+                                          other=NEG_BIG))
+    big_m = tl.maximum(tl.max(m_max, 0), m0)
+    w0 = tl.exp2(m0 - big_m)
+    num = a0 * w0
     den = tl.zeros([SB], tl.float32)
-    for s0 in range(0, n_splits, SB):
-        ok = s0 + s < n_splits
+    for s0 in range(0, n_read, SB):
+        ok = s0 + s < n_read
         m = tl.load(M_IN + row * n_splits + s0 + s, mask=ok, other=NEG_BIG)
         w = tl.where(ok, tl.exp2(m - big_m), 0.0)
         den += w * tl.load(L_IN + row * n_splits + s0 + s, mask=ok, other=0.0)
         a = tl.load(ACC_IN + (row * n_splits + s0 + s)[:, None] * DV + dv[None, :], mask=ok[:, None], other=0.0)
         num += tl.sum(w[:, None] * a, 0)
-    total = tl.sum(den, 0)
+    total = tl.sum(den, 0) + l0 * w0
     tl.store(OUT + row * DV + dv, (num / total).to(OUT.dtype.element_ty))
     tl.store(LSE + row, big_m + tl.log2(total))
+
+
+@triton.jit(do_not_specialize=("n_splits",))
+def _reduce_kernel(M_IN, L_IN, ACC_IN, OUT, LSE, n_splits, DV: tl.constexpr, SB: tl.constexpr):
+    """Merge the splits of one (batch, query head): out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s."""
+    row = tl.program_id(0)
+    none = tl.zeros([DV], tl.float32)  # no extra partial: weight 0 against any split, mass 0
+    _merge_splits(M_IN, L_IN, ACC_IN, OUT, LSE, row, n_splits, n_splits, tl.sum(none, 0) + NEG_BIG,
+                  tl.sum(none, 0), none, DV, SB)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -593,15 +605,17 @@ def decode_attention_triton(
     from kvcompress.kernels import decode_paged_triton as fast
     from kvcompress.kernels import decode_phase_triton as phase
 
-    kernel, extra, ppi, apart, block_n_given = _decode_split_kernel, {}, 1, False, block_n
+    kernel, extra, ppi, apart = _decode_split_kernel, {}, 1, False
     dot = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
     paged = key_args is not None and fast.paged_supported(key_args, dk, page_size, True) and fast.paged_supported(
         value_args, dv, page_size, False)
     by_phase = paged and phase_kernel and phase.phase_supported(key_args, value_args, dk, dv)
+    by_fp8 = paged and not by_phase and fast.is_fp8(key_args) and fast.is_fp8(value_args)
     if by_phase:
         block_n = phase.phase_block(page_size, block_n)
-    elif block_n is None:  # measured on an H200 (BENCHMARKS.md): 64 with outliers, else 128
-        block_n = 128 if paged and not (key_args.n_outliers or value_args.n_outliers) else 64
+    elif block_n is None:  # measured on an H200 (BENCHMARKS.md): fp8 32, else 64 with outliers, else 128
+        has_out = paged and bool(key_args.n_outliers or value_args.n_outliers)
+        block_n = 32 if by_fp8 else 128 if paged and not has_out else 64
     if by_phase:
         gq = _next_pow2(group)
         magic, shift = phase.phase_magic(key_args.kind, key_args.bits, dot)
@@ -631,7 +645,7 @@ def decode_attention_triton(
         # one stage where 4-bit levels are read by byte permutes: in a pipelined loop Triton sent every
         # lookup's result through shared memory (compiled PTX, unpack_asm_triton.table_tiles)
         num_stages = num_stages or (1 if k_lut or v_lut else 2)
-    elif paged and fast.is_fp8(key_args) and fast.is_fp8(value_args):
+    elif by_fp8:
         from kvcompress.kernels.decode_fp8_triton import _fp8_split_kernel
         from kvcompress.kernels.scale_words import WORDS_NONE, scale_words
 
@@ -641,8 +655,8 @@ def decode_attention_triton(
             value_args, v_sw = scale_words(value_args)
         kernel, extra = _fp8_split_kernel, dict(F16=fp8_f16 and dtype != torch.float32, K_SW=k_sw, V_SW=v_sw)
         apart = exact_apart
-        # measured on an H200 (BENCHMARKS.md, 2026-12-02): blocks of 32 tokens, one warp, three stages
-        block_n, num_warps, num_stages = block_n_given or 32, num_warps or 1, num_stages or 3
+        # measured on an H200 (BENCHMARKS.md, 2026-12-02): blocks of 32 tokens (above), one warp, three stages
+        num_warps, num_stages = num_warps or 1, num_stages or 3
     elif paged:
         block_n, ppi = fast.paged_block(key_args, value_args, page_size, block_n)
         k_magic, k_shift = fast.magic(key_args, dk, dot, True)

@@ -1,5 +1,5 @@
 """The split merge of the fused decode attention with the exact parts (sinks, then tail) attended in the
-same launch, for body kernels that leave them out (decode_fp8_triton's PART 1).
+same launch, for body kernels that leave them out (decode_fp8_triton's BODY_ONLY).
 
 Why: in the fp8 body kernel the exact parts' code sat beside the body's, and the compiled kernel held
 the registers and shared memory of both (255 registers, 36.9 KB at one warp, against 168 and 21 KB
@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvcompress.kernels.decode_attention_triton import NEG_BIG, _cast, _sinks_then_tail
+from kvcompress.kernels.decode_attention_triton import NEG_BIG, _cast, _merge_splits, _sinks_then_tail
 
 
 @triton.jit(do_not_specialize=("n_sink", "n_tail", "n_body", "n_body_splits", "n_splits"))
@@ -44,7 +44,6 @@ def _exact_reduce_kernel(
     g = tl.arange(0, 16)
     g_ok = g < 1
     dk = tl.arange(0, DK)
-    dv = tl.arange(0, DV)
     q = tl.load(Q + b64 * q_sb + (j + g)[:, None] * q_sh + dk[None, :], mask=g_ok[:, None], other=0.0)
     m_e = tl.full([16], NEG_BIG, tl.float32)
     l_e = tl.zeros([16], tl.float32)
@@ -58,23 +57,4 @@ def _exact_reduce_kernel(
     m0 = tl.max(tl.where(g_ok, m_e, NEG_BIG), 0)
     l0 = tl.sum(tl.where(g_ok, l_e, 0.0), 0)
     a0 = tl.sum(tl.where(g_ok[:, None], acc, 0.0), 0)
-    s = tl.arange(0, SB)
-    m_max = tl.full([SB], NEG_BIG, tl.float32)
-    for s0 in range(0, n_body_splits, SB):
-        m_max = tl.maximum(m_max, tl.load(M_IN + row * n_splits + s0 + s, mask=s0 + s < n_body_splits,
-                                          other=NEG_BIG))
-    big_m = tl.maximum(tl.max(m_max, 0), m0)
-    w0 = tl.exp2(m0 - big_m)
-    num = a0 * w0
-    den = tl.zeros([SB], tl.float32)
-    for s0 in range(0, n_body_splits, SB):
-        ok = s0 + s < n_body_splits
-        m = tl.load(M_IN + row * n_splits + s0 + s, mask=ok, other=NEG_BIG)
-        w = tl.where(ok, tl.exp2(m - big_m), 0.0)
-        den += w * tl.load(L_IN + row * n_splits + s0 + s, mask=ok, other=0.0)
-        a = tl.load(ACC_IN + (row * n_splits + s0 + s)[:, None] * DV + dv[None, :], mask=ok[:, None],
-                    other=0.0)
-        num += tl.sum(w[:, None] * a, 0)
-    total = tl.sum(den, 0) + l0 * w0
-    tl.store(OUT + row * DV + dv, (num / total).to(OUT.dtype.element_ty))
-    tl.store(LSE + row, big_m + tl.log2(total))
+    _merge_splits(M_IN, L_IN, ACC_IN, OUT, LSE, row, n_body_splits, n_splits, m0, l0, a0, DV, SB)
