@@ -729,3 +729,21 @@ def test_store_copies_what_a_graphed_encode_returns(monkeypatch):
     for a, b in ((stored[False].key_store, stored[True].key_store), (stored[False].value_store, stored[True].value_store)):
         for name in a.data:
             assert torch.equal(a.data[name], b.data[name]), name
+
+
+@pytest.mark.parametrize("pairs", [1, 8, 64, 100, 256, 2000])
+@pytest.mark.parametrize("n", [100, 8192, 32768, 131072])
+def test_default_splits_fill_at_most_one_wave(pairs, n):
+    """The fp8 / phase kernels' launch never spills past one wave of resident programs (a nearly empty
+    second wave nearly doubled the step on the H200), keeps >= 256 tokens per split where it splits, and
+    still fills the wave when the context is long enough; the other kernels keep 16 per multiprocessor."""
+    from kvcompress.kernels.split_count import MIN_SPLIT_TOKENS, ONE_WARP_PER_SM, default_splits
+
+    sms = 132
+    s = default_splits(pairs, sms, n, True)
+    assert s >= 1
+    assert s == 1 or pairs * s <= ONE_WARP_PER_SM * sms
+    assert s == 1 or n // s >= MIN_SPLIT_TOKENS
+    if n // MIN_SPLIT_TOKENS >= ONE_WARP_PER_SM * sms // pairs >= 1:  # room to fill: the wave is full
+        assert pairs * (s + 1) > ONE_WARP_PER_SM * sms
+    assert default_splits(pairs, sms, n, False) == max(1, -(-16 * sms // pairs))

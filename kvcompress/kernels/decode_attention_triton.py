@@ -22,6 +22,7 @@ import triton.language as tl
 
 from kvcompress.kernels.backend import interpreting
 from kvcompress.kernels.parts import AttentionParts
+from kvcompress.kernels.split_count import MIN_SPLIT_TOKENS, default_splits
 from kvcompress.kernels.streams import (
     KIND_DENSE,
     KIND_INT,
@@ -549,7 +550,8 @@ def decode_attention_triton(
     step (None: 64 with outliers, else 128; the phase kernel: one page of 32; the fp8 kernel: 32),
     num_warps (None: 1 for the phase and fp8 kernels, else 4) / num_stages (None: 2 for the phase kernel,
     else 3) of the split kernel, splits
-    per (batch, kv head) (None: 16 per multiprocessor over all (batch, kv head) pairs), lut: how the fast
+    per (batch, kv head) (None: split_count.default_splits: fp8 and KIVI int caches without a page list one wave
+    of 8 programs per multiprocessor at most, the others 16 per multiprocessor), lut: how the fast
     kernels read nuq codebooks ("select": a select tree, "gather": a load per element, "shuffle": a warp
     shuffle from levels held in registers, the phase kernel only; the paged kernel reads "shuffle" as
     "gather"; None: measured best on an H200, "shuffle" in the phase kernel, "select" in the paged one),
@@ -680,8 +682,12 @@ def decode_attention_triton(
     else:
         n_logical = n_body
         pl_args = [q, 0, 0, 0]
-    if splits is None:
-        splits = max(1, -(-16 * _num_sms(dev) // (b * hkv)))
+    if splits is None:  # the interpreter (tests) keeps one block per split so that small shapes still split
+        # one wave for the kernels it was timed on (fp8, KIVI int codes); nuq codebooks and Quest page lists
+        # keep the former rule, which they were tuned and timed with
+        one_wave = (by_fp8 or (by_phase and key_args.kind == KIND_INT)) and page_list is None
+        splits = default_splits(b * hkv, _num_sms(dev), n_logical, one_wave,
+                                MIN_SPLIT_TOKENS if q.is_cuda else block_n)
     n_blocks = -(-n_logical // block_n)
     splits = max(1, min(splits, n_blocks))
     tokens_per_split = -(-n_blocks // splits) * block_n
