@@ -682,9 +682,10 @@ def decode_attention_triton(
     else:
         n_logical = n_body
         pl_args = [q, 0, 0, 0]
-    if splits is None:  # the interpreter (tests) keeps one block per split so that small shapes still split
+    if splits is None:
         # one wave for the kernels it was timed on (fp8, KIVI int codes); nuq codebooks and Quest page lists
-        # keep the former rule, which they were tuned and timed with
+        # keep the former rule, which they were tuned and timed with. The interpreter (tests) keeps one block
+        # per split, so that small shapes still split.
         one_wave = (by_fp8 or (by_phase and key_args.kind == KIND_INT)) and page_list is None
         splits = default_splits(b * hkv, _num_sms(dev), n_logical, one_wave,
                                 MIN_SPLIT_TOKENS if q.is_cuda else block_n)
