@@ -731,6 +731,24 @@ def test_store_copies_what_a_graphed_encode_returns(monkeypatch):
             assert torch.equal(a.data[name], b.data[name]), name
 
 
+@needs_triton
+@pytest.mark.parametrize("name", ["fp8", "int4", "nuq4-kout"])
+def test_merge_of_many_splits(name):
+    """Batch-1 launches have about 128 splits per pair, which the merge reads in one block (merge_block):
+    37 splits (a block of 64, partly masked) and 130 (one block of 128 and a second, nearly empty one)
+    equal the twin, for the fp8 kernel (exact parts in the merge) and the phase kernel (its exact split,
+    then the plain merge)."""
+    from kvcompress.kernels.split_count import merge_block
+
+    assert [merge_block(n) for n in (1, 16, 17, 37, 128, 130)] == [16, 16, 32, 64, 128, 128]
+    # the phase kernel walks one page of 32 per block: 37 splits there, both counts on the fp8 kernel
+    page, counts = (16, (37, 130)) if name == "fp8" else (32, (37,))
+    parts = make_parts(name, b=1, hkv=2, d=64, pages=max(counts), page=page, sinks=3, tail=5, seed=50)
+    q = torch.randn(1, 6, 64, generator=torch.Generator().manual_seed(51))
+    for splits in counts:
+        check_triton(parts, q, block_n=page, splits=splits)
+
+
 @pytest.mark.parametrize("pairs", [1, 8, 64, 100, 256, 2000])
 @pytest.mark.parametrize("n", [100, 8192, 32768, 131072])
 def test_default_splits_fill_at_most_one_wave(pairs, n):

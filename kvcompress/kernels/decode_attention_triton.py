@@ -22,7 +22,7 @@ import triton.language as tl
 
 from kvcompress.kernels.backend import interpreting
 from kvcompress.kernels.parts import AttentionParts
-from kvcompress.kernels.split_count import MIN_SPLIT_TOKENS, default_splits
+from kvcompress.kernels.split_count import MIN_SPLIT_TOKENS, default_splits, merge_block
 from kvcompress.kernels.streams import (
     KIND_DENSE,
     KIND_INT,
@@ -550,8 +550,8 @@ def decode_attention_triton(
     step (None: 64 with outliers, else 128; the phase kernel: one page of 32; the fp8 kernel: 32),
     num_warps (None: 1 for the phase and fp8 kernels, else 4) / num_stages (None: 2 for the phase kernel,
     else 3) of the split kernel, splits
-    per (batch, kv head) (None: split_count.default_splits: fp8 and KIVI int caches without a page list one wave
-    of 8 programs per multiprocessor at most, the others 16 per multiprocessor), lut: how the fast
+    per (batch, kv head) (None: split_count.default_splits: the fp8 and phase kernels without a page list one
+    wave of 8 programs per multiprocessor at most, the others 16 per multiprocessor), lut: how the fast
     kernels read nuq codebooks ("select": a select tree, "gather": a load per element, "shuffle": a warp
     shuffle from levels held in registers, the phase kernel only; the paged kernel reads "shuffle" as
     "gather"; None: measured best on an H200, "shuffle" in the phase kernel, "select" in the paged one),
@@ -683,10 +683,10 @@ def decode_attention_triton(
         n_logical = n_body
         pl_args = [q, 0, 0, 0]
     if splits is None:
-        # one wave for the kernels it was timed on (fp8, KIVI int codes); nuq codebooks and Quest page lists
-        # keep the former rule, which they were tuned and timed with. The interpreter (tests) keeps one block
-        # per split, so that small shapes still split.
-        one_wave = (by_fp8 or (by_phase and key_args.kind == KIND_INT)) and page_list is None
+        # one wave for the one-warp kernels (fp8, phase); Quest page lists keep the former rule, which they
+        # were tuned and timed with. The interpreter (tests) keeps one block per split, so that small shapes
+        # still split.
+        one_wave = (by_fp8 or by_phase) and page_list is None
         splits = default_splits(b * hkv, _num_sms(dev), n_logical, one_wave,
                                 MIN_SPLIT_TOKENS if q.is_cuda else block_n)
     n_blocks = -(-n_logical // block_n)
@@ -746,13 +746,13 @@ def decode_attention_triton(
             tail_v, tail_v.stride(0), tail_v.stride(1), tail_v.stride(2), parts.n_tail, tlen, starts, n_body,
             scores, scores.stride(0) if return_probs else 0, scores.stride(1) if return_probs else 0,
             m_part, l_part, acc_part, body_splits, n_splits, out, lse, scaling * LOG2E,
-            HKV=hkv, G=group, DK=dk, DV=dv, DBN=32, SB=16, HAS_TLEN=parts.tail_lengths is not None,
+            HKV=hkv, G=group, DK=dk, DV=dv, DBN=32, SB=merge_block(n_splits), HAS_TLEN=parts.tail_lengths is not None,
             HAS_STARTS=parts.row_starts is not None, WRITE_SCORES=return_probs,
             DOT_FP32=dtype == torch.float32, DT=_DOT_DTYPES[dtype],
         )
     else:
         kernel[(b * hkv, body_splits + 1)](*args, **consts)
-        _reduce_kernel[(b * hq,)](m_part, l_part, acc_part, out, lse, n_splits, DV=dv, SB=16)
+        _reduce_kernel[(b * hq,)](m_part, l_part, acc_part, out, lse, n_splits, DV=dv, SB=merge_block(n_splits))
     if value_args is not None and value_args.rotation_signs is not None:
         from kvcompress.quant.rotation import unrotate
 
