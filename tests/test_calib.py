@@ -91,6 +91,7 @@ def test_fitted_codebooks_code_their_calibration_tokens_better_than_gaussian_lev
     from dataclasses import replace
 
     from kvcompress.calib.collect import CollectSettings, collect
+    from kvcompress.calib.fit import fit_nuq_tensors
     from kvcompress.quant.codebook import gaussian_lloyd_max
 
     model, tok = smollm2
@@ -101,6 +102,12 @@ def test_fitted_codebooks_code_their_calibration_tokens_better_than_gaussian_lev
                                                    sample_tokens=16, weighting="none"), progress=False)
     for i in (1, 15, 28):
         layer = cfg.layers[i]
+        # the values' k-means levels as fitted, before calibrate widens their ends toward the preset's
+        # (fit.widen_outer_levels), which gives up squared error for the rare large elements
+        spec = layer.value
+        plain = fit_nuq_tensors(stats[i], "value", 4, spec.outlier_fraction, axis="token",
+                                scale_format=spec.scale_format)["value.codebook"]
+        layer = replace(layer, tensors=dict(layer.tensors, **{"value.codebook": plain}))
         gauss = dict(layer.tensors, **{f"{s}.codebook": gaussian_lloyd_max(4) for s in ("key", "value")})
         k, v = stats[i].probe_k, stats[i].probe_v
         def sqnr(policy):
@@ -331,3 +338,24 @@ def test_calibrated_nuq3_keeps_the_presets_rotated_value_levels(smollm2, calib_t
     for got, want in zip(cfg.layers, preset.layers):
         assert (got.key, got.value, got.residual, got.sinks) == (want.key, want.value, want.residual, want.sinks)
         assert got.value.rotation and not any(k.startswith("value.codebook") for k in got.tensors)
+
+
+def test_fitted_value_levels_reach_the_oblivious_codebooks_ends():
+    """Per-token levels are widened toward the data-oblivious codebook (fit.widen_outer_levels): the end
+    levels reach at least its ends, the next ones at least halfway to its, the inner levels are the fitted
+    ones, and levels already wider stay as fitted; fit_nuq_tensors applies it only when given the levels."""
+    from kvcompress.calib.fit import fit_nuq_tensors, widen_outer_levels
+    from kvcompress.quant.codebook import default_codebook
+
+    ob = default_codebook("student_t5", 4).float()
+    fitted = torch.stack([torch.linspace(-2.0, 3.0, 16), torch.linspace(-8.0, 8.0, 16)])
+    got = widen_outer_levels(fitted, ob)
+    assert torch.equal(got[0, 0], ob[0]) and torch.equal(got[0, -1], ob[-1])
+    assert torch.isclose(got[0, 1], (fitted[0, 1] + ob[1]) / 2) and torch.isclose(got[0, -2], (fitted[0, -2] + ob[-2]) / 2)
+    assert torch.equal(got[0, 2:-2], fitted[0, 2:-2])
+    assert torch.equal(got[1], fitted[1])
+    assert (got.diff(dim=-1) > 0).all()
+    stats = _value_stats()
+    plain = fit_nuq_tensors(stats, "value", 4, 0.0, axis="token")["value.codebook"]
+    wide = fit_nuq_tensors(stats, "value", 4, 0.0, axis="token", oblivious=ob)["value.codebook"]
+    assert torch.equal(wide, widen_outer_levels(plain, ob)) and not torch.equal(wide, plain)

@@ -15,6 +15,7 @@ from kvcompress.calib.collect import LayerStats
 from kvcompress.calib.fit import fit_nuq_tensors, fp8_scales, fp8_shift_tensors
 from kvcompress.config import FP8_SHIFT_DEFAULT, ConfigError, LayerPolicy, QuantSpec
 from kvcompress.presets import nuq_specs
+from kvcompress.quant.codebook import default_codebook
 
 CANDIDATES = ("fp8", "nuq4", "nuq3", "nuq2")
 STREAMS = ("key", "value")
@@ -65,7 +66,7 @@ class LayerFits:
             if key not in self._cache:
                 self._cache[key] = fit_nuq_tensors(
                     self.stats, stream, spec.bits, spec.outlier_fraction, self.per_head, axis=spec.axis,
-                    scale_format=spec.scale_format,
+                    scale_format=spec.scale_format, oblivious=default_codebook(spec.codebook, spec.bits),
                 )
             return dict(self._cache[key])
         return {}

@@ -92,9 +92,32 @@ def fit_levels(u: torch.Tensor, keep: torch.Tensor, weights, bits: int, per_head
     return torch.stack(books)
 
 
+def widen_outer_levels(levels: torch.Tensor, oblivious: torch.Tensor) -> torch.Tensor:
+    """levels [..., L] sorted -> the same with the outermost level on each side at least as far out as the
+    data-oblivious codebook's `oblivious` [L], and (L >= 8) the next one at least halfway to its
+    counterpart there.
+
+    Why: k-means levels minimise the mean squared error of the sampled values and give up their rare large
+    elements (SmolLM2 layer 5's fitted values end at -2.8 / +5.9 against the Student-t preset's +-6.1).
+    Passkey retrieval needs those: calibrated nuq4 found 4 of 12 keys with plain fitted levels, 12 of 12
+    with widened ones (the uncompressed cache 8), and perplexity over 4 windows of 1024 of eval.txt moved
+    from +0.000 % to -0.070 % (preset +0.290 %; BENCHMARKS.md, 2026-12-03)."""
+    lv = levels.clone()
+    ob = oblivious.to(lv)
+    lv[..., 0] = torch.minimum(lv[..., 0], ob[0])
+    lv[..., -1] = torch.maximum(lv[..., -1], ob[-1])
+    if lv.shape[-1] >= 8:
+        lv[..., 1] = torch.minimum(lv[..., 1], (lv[..., 1] + ob[1]) / 2)
+        lv[..., -2] = torch.maximum(lv[..., -2], (lv[..., -2] + ob[-2]) / 2)
+    return lv.sort(-1).values
+
+
 def fit_nuq_tensors(stats: LayerStats, stream: str, bits: int, fraction: float, per_head: bool = True,
-                    axis: str = "channel", scale_format: str = "fp16") -> dict:
-    """The calibrated tensors of one nuq stream, keyed as in a LayerPolicy ("key.codebook", ...)."""
+                    axis: str = "channel", scale_format: str = "fp16",
+                    oblivious: torch.Tensor | None = None) -> dict:
+    """The calibrated tensors of one nuq stream, keyed as in a LayerPolicy ("key.codebook", ...).
+    oblivious: the spec's data-oblivious levels [2**bits]; per-token levels are widened toward them
+    (widen_outer_levels)."""
     out = {}
     if axis == "page":
         # Keys coded on each page's own range keep the codec's uniform levels: calibration samples are
@@ -107,7 +130,10 @@ def fit_nuq_tensors(stats: LayerStats, stream: str, bits: int, fraction: float, 
         out.update({f"{stream}.channel_mean": mean, f"{stream}.channel_scale": scale})
     else:
         u, keep, w, thr = normalised_per_token(stats, stream, fraction, scale_format)
-    out[f"{stream}.codebook"] = fit_levels(u, keep, w, bits, per_head)
+    levels = fit_levels(u, keep, w, bits, per_head)
+    if axis == "token" and oblivious is not None:
+        levels = widen_outer_levels(levels, oblivious)
+    out[f"{stream}.codebook"] = levels
     if fraction > 0:
         out[f"{stream}.outlier_threshold"] = thr.float()
     return out
