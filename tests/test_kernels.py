@@ -753,8 +753,9 @@ def test_merge_of_many_splits(name):
 @pytest.mark.parametrize("n", [100, 8192, 32768, 131072])
 def test_default_splits_fill_at_most_one_wave(pairs, n):
     """The fp8 / phase kernels' launch never spills past one wave of resident programs (a nearly empty
-    second wave nearly doubled the step on the H200), keeps >= MIN_SPLIT_TOKENS (128) per split where it splits, and
-    still fills the wave when the context is long enough; the other kernels keep 16 per multiprocessor."""
+    second wave nearly doubled the step on the H200), keeps >= MIN_SPLIT_TOKENS (128) per split where it
+    splits, and still fills the wave when the context is long enough; the other kernels keep 16 per
+    multiprocessor."""
     from kvcompress.kernels.split_count import MIN_SPLIT_TOKENS, ONE_WARP_PER_SM, default_splits
 
     sms = 132

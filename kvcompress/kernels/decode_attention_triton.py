@@ -746,13 +746,15 @@ def decode_attention_triton(
             tail_v, tail_v.stride(0), tail_v.stride(1), tail_v.stride(2), parts.n_tail, tlen, starts, n_body,
             scores, scores.stride(0) if return_probs else 0, scores.stride(1) if return_probs else 0,
             m_part, l_part, acc_part, body_splits, n_splits, out, lse, scaling * LOG2E,
-            HKV=hkv, G=group, DK=dk, DV=dv, DBN=32, SB=merge_block(n_splits), HAS_TLEN=parts.tail_lengths is not None,
-            HAS_STARTS=parts.row_starts is not None, WRITE_SCORES=return_probs,
+            HKV=hkv, G=group, DK=dk, DV=dv, DBN=32, SB=merge_block(n_splits),
+            HAS_TLEN=parts.tail_lengths is not None, HAS_STARTS=parts.row_starts is not None,
+            WRITE_SCORES=return_probs,
             DOT_FP32=dtype == torch.float32, DT=_DOT_DTYPES[dtype],
         )
     else:
         kernel[(b * hkv, body_splits + 1)](*args, **consts)
-        _reduce_kernel[(b * hq,)](m_part, l_part, acc_part, out, lse, n_splits, DV=dv, SB=merge_block(n_splits))
+        _reduce_kernel[(b * hq,)](m_part, l_part, acc_part, out, lse, n_splits, DV=dv,
+                                  SB=merge_block(n_splits))
     if value_args is not None and value_args.rotation_signs is not None:
         from kvcompress.quant.rotation import unrotate
 

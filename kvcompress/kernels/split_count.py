@@ -10,10 +10,10 @@ codebooks) take at most one wave, rounded down, with at least 128 tokens per spl
 32K x 32, 0.65x -> 0.82x at 32K x 1). Before the merge read all partial rows in one block (merge_block),
 short splits cost more in the merge than they hid (32K x 1 fp8 0.90x at 264 splits of 124 tokens, 1.22x
 at 128 of 256), so the floor was 256; with it, 128 tokens per split took 8K x 1 from 0.77x to 0.93x
-(fp8) and 0.65x to 0.87x (int4), 16K x 1 from 1.22x / 1.07x to 1.26x / 1.14x, and changed nothing from
-32K at batch 1 or at batch 8 and more (the wave is the bound there). Measured in BENCHMARKS.md ("Split counts by
-waves", 2026-12-03). The other kernels and every kernel walking a Quest page list (short walks, tuned and
-timed with the former rule) keep 16 programs per multiprocessor, rounded up.
+(fp8) and 0.65x to 0.87x (int4), 16K x 1 from 1.22x / 1.07x to 1.26x / 1.14x, and changed nothing
+from 32K at batch 1 or at batch 8 and more (the wave is the bound there). Measured in BENCHMARKS.md
+("Split counts by waves", 2026-12-03). The other kernels and every kernel walking a Quest page list
+(short walks, tuned and timed with the former rule) keep 16 programs per multiprocessor, rounded up.
 """
 
 from __future__ import annotations
