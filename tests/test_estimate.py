@@ -9,7 +9,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from kvcompress import KVCompressConfig, ModelLayout
+from kvcompress import KVCompressConfig, ModelLayout, QuantSpec, SparsitySpec
 from kvcompress.calib.estimate import estimate_memory
 
 CTX, BATCH = 128 * 1024, 8
@@ -88,3 +88,48 @@ def _main():
     from kvcompress.cli import main
 
     return main
+
+
+SPARSE_CASES = {
+    "h2o": (dict(), SparsitySpec("h2o", ratio=0.25, page_size=8)),
+    "h2o-nuq4": (dict(key=QuantSpec("nuq", bits=4, axis="channel", outlier_fraction=0.02),
+                      value=QuantSpec("nuq", bits=4, axis="token", outlier_fraction=0.02), page_size=8, sinks=4),
+                 SparsitySpec("h2o", budget=48, page_size=8)),
+    "h2o-merge": (dict(), SparsitySpec("h2o", budget=40, page_size=8, sinks=4, merge=True)),
+    "streaming": (dict(), SparsitySpec("streaming", budget=40, sinks=4, page_size=8)),
+    "quest": (dict(), SparsitySpec("quest", budget=32, page_size=8, dense_layers=1)),
+    "snapkv": (dict(), SparsitySpec("snapkv", ratio=0.3, observation_window=8, pool_kernel=3)),
+}
+
+
+@pytest.mark.parametrize("case", list(SPARSE_CASES))
+def test_sparse_estimate_bounds_what_the_cache_holds(case):
+    """The estimate of a sparse config is an upper bound of the bytes a real cache holds after every step of
+    a generation, and a tight one: within the two pages of slack the policies allow (SnapKV, which selects
+    only at prefill, after the prefill)."""
+    import kvcompress
+    from conftest import make_tiny_model
+    from kvcompress import CompressedCache, LayerPolicy
+    from kvcompress.compat import with_cache
+
+    model = make_tiny_model("llama", num_hidden_layers=3)
+    layout = ModelLayout.from_model_config(model.config)
+    policy, spec = SPARSE_CASES[case]
+    cfg = KVCompressConfig(layout=layout, layers=[LayerPolicy(sparsity=spec, **policy)] * layout.num_layers)
+    cache = CompressedCache(model.config, cfg)
+    gen = torch.Generator().manual_seed(1)
+    prompt, steps = 120, 0 if case == "snapkv" else 150
+    per_token = layout.num_kv_heads * (layout.key_head_dim + layout.value_head_dim) * 4
+    slack = 2 * 8 * per_token * layout.num_layers
+    worst = 0.0
+    with torch.inference_mode(), kvcompress.enabled(model):
+        model(torch.randint(3, 256, (1, prompt), generator=gen), **with_cache(cache))
+        for step in range(steps + 1):
+            if step:
+                model(torch.randint(3, 256, (1, 1), generator=gen), **with_cache(cache))
+            held = cache.memory_report()["held_bytes"]
+            bound = estimate_memory(layout, cfg, prompt + step, 1, torch.float32)["compressed_bytes"]
+            assert held <= bound, f"step {step}: the cache holds {held} bytes, the estimate says at most {bound}"
+            worst = max(worst, bound - held)
+    assert worst <= slack, f"the estimate overstated the held bytes by {worst}, more than two pages ({slack})"
+    assert estimate_memory(layout, cfg, prompt + steps, 1, torch.float32)["ratio"] > 1.5 or case == "quest"

@@ -4,8 +4,9 @@ A full-attention layer holding C tokens of a batch row keeps, per stream: the fi
 the tail (residual window plus the partly filled page) in the model dtype, whole pages at the codec's
 `bits` per element, its ROW statistics once per sequence and its shared tensors (codebooks, calibrated
 scales) once per layer, exactly as CompressedLayer stores them. A sliding-window layer keeps at most
-W tokens exact. "All-in" bits per element divide all of that by the elements a plain cache of the same
-tokens would hold.
+W tokens exact. A sparse layer holds what its policy keeps at most (calib/held.py): eviction drops body
+pages, the sinks and the tail stay, and the sparsity state (positions, scores, page summaries) counts too.
+"All-in" bits per element divide all of that by the elements a plain cache of the same tokens would hold.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcompress.calib.held import held_tokens, sparsity_state_bytes
 from kvcompress.config import LayerPolicy, QuantSpec
 from kvcompress.layout.arch import ModelLayout
 from kvcompress.quant.factory import make_codec
@@ -68,7 +70,12 @@ def layer_bytes(policy: LayerPolicy, layout: ModelLayout, layer_idx: int, contex
         held = min(context, layout.sliding_window or context)
         return batch * held * h * (dk + dv) * itemsize
     body, exact = layer_tokens(policy, context)
+    held = held_tokens(policy, layer_idx, context)
+    if held < context:  # evicted: body pages go, the sinks and the tail stay
+        exact = min(exact, held)
+        body = held - exact
     total = batch * exact * h * (dk + dv) * itemsize
+    total += sparsity_state_bytes(policy, layer_idx, context, h, dk, batch)
     for spec, d, name in ((policy.key, dk, "key"), (policy.value, dv, "value")):
         cost = stream_cost(spec, policy.stream_tensors(name), policy.page_size, h, d, dtype)
         total += batch * body * h * d * cost.body_bits / 8 + cost.shared_bytes

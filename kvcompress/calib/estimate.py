@@ -3,7 +3,8 @@
 Uncompressed, a layer holds 2 x tokens x N_kv x D x bytes per sequence (keys and values, per kv head,
 never after GQA's repeat); a sliding-window layer holds at most its window; an MLA layer holds its
 latent (kv_lora_rank + qk_rope_head_dim values per token) where a per-head cache would hold
-heads x (qk_nope + qk_rope + v_head_dim). Compressed sizes come from the codecs (calib/bits.py).
+heads x (qk_nope + qk_rope + v_head_dim). Compressed sizes come from the codecs (calib/bits.py); a sparse
+layer holds what its policy keeps at most (calib/held.py), shown in the tokens column.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from kvcompress.calib.bits import layer_bytes, uncompressed_layer_bytes
+from kvcompress.calib.held import held_tokens
 from kvcompress.config import KVCompressConfig
 from kvcompress.layout.arch import ModelLayout
 
@@ -33,6 +35,8 @@ def estimate_memory(layout: ModelLayout, cfg: KVCompressConfig | None, context: 
         }
         if cfg is not None:
             comp = layer_bytes(cfg.layers[i], layout, i, context, batch, dtype)
+            if not sliding:
+                row["tokens_held"] = held_tokens(cfg.layers[i], i, context)
             row.update(compressed_bytes=comp, bits_per_element=8 * comp / (unc / itemsize) if unc else 0.0,
                        policy=_policy_name(cfg, i))
         layers.append(row)

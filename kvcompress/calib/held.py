@@ -1,0 +1,65 @@
+"""How many tokens a sparse layer holds after C tokens, and the bytes its sparsity state adds, at most.
+
+What the policies of kvcompress.sparse do, as a bound for planning memory (`kvcompress estimate`, the
+calibration's budget), per kv head of one sequence:
+- H2O and StreamingLLM compact to their budget (a token count, or a ratio of the tokens seen), then grow
+  by up to one page before compacting again: at most budget + one page in full precision; over quantized
+  pages, whose eviction keeps whole pages and every page the recent window touches, at most budget + two
+  pages (`tests/test_sparse.py::test_h2o_memory_stays_bounded` holds the cache to the same bound).
+- SnapKV selects once, at prefill, and then appends without evicting: the context is taken as the prompt,
+  so it holds its budget of it (every decoded token adds one more).
+- Quest evicts nothing: it holds every token, plus bfloat16 min / max key summaries per page of its own
+  and the float32 keys of the page still filling.
+Layers below `dense_layers` (Quest's dense first layers) hold everything.
+
+Beside the tokens, an evicting layer keeps each held token's position (int64) and H2O its accumulated
+attention (float32; a merged token also its log size), as the memory report counts them.
+"""
+
+from __future__ import annotations
+
+import math
+
+from kvcompress.config import LayerPolicy
+
+POSITION_BYTES = 8  # int64 positions of the held tokens once a layer has evicted (sparse.state)
+SCORE_BYTES = 4  # float32 accumulated attention per held token (H2O), and log size per merged token
+
+
+def is_sparse_here(policy: LayerPolicy, layer_idx: int) -> bool:
+    s = policy.sparsity
+    return s.method != "none" and layer_idx >= s.dense_layers
+
+
+def token_budget(policy: LayerPolicy, context: int) -> int:
+    s = policy.sparsity
+    return s.budget if s.budget else max(1, math.ceil(s.ratio * context))
+
+
+def held_tokens(policy: LayerPolicy, layer_idx: int, context: int) -> int:
+    """Tokens held per kv head after `context` tokens, at most."""
+    if not is_sparse_here(policy, layer_idx) or policy.sparsity.method == "quest":
+        return context
+    budget = token_budget(policy, context)
+    if policy.sparsity.method == "snapkv":
+        return min(context, budget)
+    quantized = not (policy.key.is_lossless and policy.value.is_lossless)
+    slack = 2 * policy.page_size if quantized else policy.sparsity.page_size
+    return min(context, budget + slack)
+
+
+def sparsity_state_bytes(policy: LayerPolicy, layer_idx: int, context: int, num_heads: int, key_dim: int,
+                         batch: int = 1) -> int:
+    """Bytes of the sparsity state (positions, scores, Quest's page summaries) after `context` tokens."""
+    if not is_sparse_here(policy, layer_idx):
+        return 0
+    s = policy.sparsity
+    rows = batch * num_heads
+    if s.method == "quest":
+        pages, filling = divmod(context, s.page_size)
+        return rows * (pages * 2 * key_dim * 2 + filling * key_dim * 4)
+    held = held_tokens(policy, layer_idx, context)
+    per_token = POSITION_BYTES if held < context else 0
+    if s.method == "h2o":
+        per_token += SCORE_BYTES * (2 if s.merge else 1)
+    return rows * held * per_token
