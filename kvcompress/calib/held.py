@@ -12,7 +12,7 @@ calibration's budget), per kv head of one sequence:
   and the float32 keys of the page still filling.
 Layers below `dense_layers` (Quest's dense first layers) hold everything.
 
-Beside the tokens, an evicting layer keeps each held token's position (int64) and H2O its accumulated
+Beside the tokens, an evicting layer keeps each held token's position (int32) and H2O its accumulated
 attention (float32; a merged token also its log size), as the memory report counts them.
 """
 
@@ -22,7 +22,7 @@ import math
 
 from kvcompress.config import LayerPolicy
 
-POSITION_BYTES = 8  # int64 positions of the held tokens once a layer has evicted (sparse.state)
+POSITION_BYTES = 4  # int32 positions of the held tokens once a layer has evicted (sparse.state)
 SCORE_BYTES = 4  # float32 accumulated attention per held token (H2O), and log size per merged token
 
 

@@ -92,7 +92,8 @@ class SparseState:
         q = new_keys.shape[2]
         if self.pos is not None:
             seen = layer.cumulative_length
-            new_pos = torch.arange(seen - q, seen, device=self.pos.device).expand(*self.pos.shape[:2], q)
+            new_pos = torch.arange(seen - q, seen, dtype=self.pos.dtype, device=self.pos.device)
+            new_pos = new_pos.expand(*self.pos.shape[:2], q)
             self.pos = torch.cat([self.pos, new_pos], dim=2)
         if self.policy.keeps_page_summaries:
             self._summarize(new_keys)
@@ -106,8 +107,9 @@ class SparseState:
         return torch.arange(held, device=like.device).expand(*like.shape[:2], held)
 
     def gather(self, idx: torch.Tensor, held: int) -> None:
-        """Of `held` tokens the layer kept idx [B, H, n] (sorted): keep their positions and scores."""
-        self.pos = self.positions(held, idx).gather(2, idx)
+        """Of `held` tokens the layer kept idx [B, H, n] (sorted): keep their positions (int32: half the bytes
+        of int64 for every held token, and 2^31 positions) and scores."""
+        self.pos = self.positions(held, idx).gather(2, idx).to(torch.int32)
         if self.scores is not None:
             self.scores = self.scores.gather(2, idx)
 

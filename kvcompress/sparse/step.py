@@ -54,4 +54,4 @@ def held_mask(attention_mask, pos: torch.Tensor, q_len: int) -> torch.Tensor:
     if m.dtype != torch.bool:  # an additive float mask: 0 where allowed
         m = m > torch.finfo(m.dtype).min / 2
     m = m.expand(b, h, q_len, m.shape[-1])
-    return m.gather(3, pos[:, :, None, :].expand(b, h, q_len, held))
+    return m.gather(3, pos[:, :, None, :].expand(b, h, q_len, held).long())
