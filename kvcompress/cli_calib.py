@@ -59,6 +59,9 @@ def _fail(e: Exception):
               help="Context length at which the budget is met (sinks and tails are amortised over it).")
 @click.option("--batch", "budget_batch", default=1, show_default=True, type=click.IntRange(1, None),
               help="Sequences the byte budget is shared by.")
+@click.option("--keep-ratios", default=None,
+              help="With a budget: H2O keep ratios a layer may get besides keeping every token (0.75,0.5); "
+                   "a config that evicts runs under kvcompress.enable(model).")
 @click.option("--preset", "-p", default="nuq4", show_default=True, help="Base preset to calibrate (without a budget).")
 @click.option("--per-head/--per-layer", default=True, show_default=True, help="One codebook per kv head or per layer.")
 @click.option("--weighting", type=click.Choice(["attention", "none"]), default="none", show_default=True,
@@ -72,7 +75,7 @@ def _fail(e: Exception):
 @click.option("--progress/--no-progress", default=True, show_default=True)
 def calibrate(model, out, text, samples, seq_len, batch_size, target_bits, memory_budget, budget_context,
               budget_batch, preset, per_head, weighting, device, progress, load_in_4bit=False, load_in_8bit=False,
-              fp8_shift=FP8_SHIFT_DEFAULT, dtype="auto"):
+              fp8_shift=FP8_SHIFT_DEFAULT, dtype="auto", keep_ratios=None):
     """Fit codebooks, key statistics, outlier thresholds and FP8 scales (and per-layer bits) for MODEL."""
     from kvcompress.calib.calibrate import CalibrationSettings
     from kvcompress.calib.calibrate import calibrate as run
@@ -89,7 +92,7 @@ def calibrate(model, out, text, samples, seq_len, batch_size, target_bits, memor
             preset=preset, samples=samples, seq_len=seq_len, batch_size=batch_size, target_bits=target_bits,
             memory_budget=parse_budget(memory_budget) if memory_budget else None,
             context=parse_count(budget_context), batch=budget_batch, per_head=per_head, weighting=weighting,
-            fp8_shift=fp8_shift,
+            fp8_shift=fp8_shift, keep_ratios=_ratios(keep_ratios),
         )
         m, tok = load_model_or_exit(model, device, load_in_4bit, load_in_8bit, dtype)
         cfg = run(m, tok, text_str, settings, progress=progress, log=click.echo)
@@ -101,6 +104,16 @@ def calibrate(model, out, text, samples, seq_len, batch_size, target_bits, memor
         click.echo(f"all-in bits per element at {alloc['context']} tokens: {alloc['achieved_bits']:.3f} "
                    f"(target {alloc['target_bits']:.3f})")
     click.echo(f"wrote {out} ({cfg.name}, {len(cfg.layers)} layers); see it with `kvcompress inspect {out}`")
+
+
+def _ratios(text: str | None) -> tuple[float, ...]:
+    if not text:
+        return ()
+    try:
+        return tuple(float(r) for r in text.split(","))
+    except ValueError:
+        raise click.BadParameter(f"{text!r}: give comma-separated ratios such as 0.75,0.5",
+                                 param_hint="--keep-ratios") from None
 
 
 # -- estimate ------------------------------------------------------------------------------------------------

@@ -360,3 +360,66 @@ def test_fitted_value_levels_reach_the_oblivious_codebooks_ends():
     plain = fit_nuq_tensors(stats, "value", 4, 0.0, axis="token")["value.codebook"]
     wide = fit_nuq_tensors(stats, "value", 4, 0.0, axis="token", oblivious=ob)["value.codebook"]
     assert torch.equal(wide, widen_outer_levels(plain, ob)) and not torch.equal(wide, plain)
+
+
+def test_allocation_with_keep_ratios_meets_a_budget_only_eviction_reaches(calib_text):
+    """3 bits all-in at 1024 tokens is below uniform nuq2 on a tiny Llama: without keep ratios the budget is
+    refused with a hint; with them some layers evict, and a real cache, filled through the kvcompress
+    attention, holds no more than the budget."""
+    import kvcompress
+    from conftest import make_tiny_model
+
+    model = make_tiny_model("llama", num_hidden_layers=4, head_dim=64)
+    settings = dict(target_bits=3.0, context=1024, **TEXT_SAMPLES)
+    with pytest.raises(ConfigError, match="--keep-ratios"):
+        calibrate(model, _ByteTokenizer(), calib_text, CalibrationSettings(**settings), progress=False)
+    cfg = calibrate(model, _ByteTokenizer(), calib_text, CalibrationSettings(keep_ratios=(0.5, 0.25), **settings),
+                    progress=False)
+    alloc = cfg.notes["allocation"]
+    assert alloc["achieved_bits"] <= 3.0
+    assert any(r < 1.0 for r in alloc["keep_ratios"].values())
+    assert {p.sparsity.method for p in cfg.layers} >= {"h2o"}
+    assert config_bits_per_element(cfg.layers, cfg.layout, 1024, 1, torch.float32) == pytest.approx(
+        alloc["achieved_bits"], rel=1e-12)
+    cache = CompressedCache(model.config, cfg)
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode(), kvcompress.enabled(model):
+        model(torch.randint(3, 256, (1, 1000), generator=gen), **with_cache(cache))
+        for _ in range(24):
+            model(torch.randint(3, 256, (1, 1), generator=gen), **with_cache(cache))
+    report = cache.memory_report()
+    assert report["tokens_seen"] == 1024
+    assert report["bits_per_element"] <= 3.0
+
+
+def test_eviction_sensitivity_grows_as_fewer_tokens_are_kept():
+    from kvcompress.calib.sparse_sensitivity import eviction_sensitivity
+    from kvcompress.config import LayerPolicy
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, 256, 32, generator=gen) for h in (4, 2, 2))
+    k[:, :, ::13] *= 3  # a few keys that draw attention, as heavy hitters do
+    loss = eviction_sensitivity(LayerPolicy(page_size=16, sinks=4), q, k, v, 32 ** -0.5, (1.0, 0.75, 0.5, 0.25))
+    assert loss[1.0] == 0.0
+    assert 0.0 < loss[0.75] < loss[0.5] < loss[0.25]
+
+
+def test_keep_ratios_need_a_budget_and_sane_values():
+    with pytest.raises(ConfigError, match="--target-bits"):
+        CalibrationSettings(keep_ratios=(0.5,))
+    with pytest.raises(ConfigError, match=r"\(0, 1\]"):
+        CalibrationSettings(target_bits=3.0, keep_ratios=(1.5,))
+
+
+@pytest.mark.parametrize("value, message", [("0.5,x", "comma-separated ratios"), ("0.5", "--target-bits")])
+def test_calibrate_cli_refuses_bad_keep_ratios(value, message, tmp_path):
+    """A malformed list, or keep ratios without a budget, stops before the model is loaded and writes nothing."""
+    from click.testing import CliRunner
+
+    from kvcompress.cli import main
+
+    out = tmp_path / "c.safetensors"
+    res = CliRunner().invoke(main, ["calibrate", "no-such-model", "--keep-ratios", value, "--out", str(out)])
+    assert res.exit_code != 0
+    assert message in res.output
+    assert not out.exists()

@@ -8,7 +8,8 @@ Without a budget, the base preset keeps its per-layer methods and gets calibrate
 codebooks, key channel statistics, outlier thresholds, static FP8 scales). With --target-bits or
 --memory-budget every full-attention layer's keys and values each get one of fp8 / nuq4 / nuq3 / nuq2,
 chosen by the allocation so the all-in bits per element at `context` tokens meet the budget with the
-least total sensitivity. Every stream gets static FP8 scales, so any config can be exported.
+least total sensitivity (calib/mixed.py); with `keep_ratios` a layer may also evict with H2O, keeping that
+ratio of its tokens. Every stream gets static FP8 scales, so any config can be exported.
 """
 
 from __future__ import annotations
@@ -19,11 +20,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from kvcompress.calib.allocate import Option, allocate
-from kvcompress.calib.bits import config_bits_per_element, layer_tokens, stream_cost, uncompressed_layer_bytes
-from kvcompress.calib.candidates import CANDIDATES, LayerFits, with_fp8_scales
+from kvcompress.calib.bits import uncompressed_layer_bytes
+from kvcompress.calib.candidates import LayerFits, with_fp8_scales
 from kvcompress.calib.collect import CollectSettings, calibration_windows, collect
-from kvcompress.calib.sensitivity import layer_sensitivity
+from kvcompress.calib.mixed import mixed_layers
 from kvcompress.config import FP8_SHIFT_DEFAULT, FP8_SHIFTS, ConfigError, KVCompressConfig, LayerPolicy
 from kvcompress.layout.arch import ModelLayout
 from kvcompress.presets import build_preset
@@ -53,6 +53,10 @@ class CalibrationSettings:
     # FP8 streams shifted by their channel means before coding: "none", "keys" or "both" (BENCHMARKS.md,
     # "Calibrated FP8 shifted per channel": the shift cleans the attention error, perplexity disagrees)
     fp8_shift: str = FP8_SHIFT_DEFAULT
+    # H2O keep ratios the allocation may give a layer besides keeping everything (a budget only; a config
+    # that evicts needs `kvcompress.enable(model)`). Off by default: on SmolLM2, H2O over nuq4 lost more
+    # perplexity per bit saved than lower bit widths at 4-5 bits (BENCHMARKS.md, issue 6)
+    keep_ratios: tuple[float, ...] = ()
 
     def __post_init__(self):
         if self.target_bits is not None and self.memory_budget is not None:
@@ -63,6 +67,12 @@ class CalibrationSettings:
             raise ConfigError(f"--memory-budget must be > 0, got {self.memory_budget}")
         if self.context < 1 or self.batch < 1:
             raise ConfigError("the budget's context and batch must be >= 1")
+        self.keep_ratios = tuple(float(r) for r in self.keep_ratios)
+        if any(not 0.0 < r <= 1.0 for r in self.keep_ratios):
+            raise ConfigError(f"keep ratios must be in (0, 1], got {list(self.keep_ratios)}")
+        if self.keep_ratios and not self.has_budget:
+            raise ConfigError("keep ratios are choices of the budget's allocation: give --target-bits or "
+                              "--memory-budget with them")
         if self.fp8_shift not in FP8_SHIFTS:
             raise ConfigError(f"fp8_shift must be one of {', '.join(FP8_SHIFTS)}, got {self.fp8_shift!r}")
 
@@ -126,7 +136,13 @@ def config_from_stats(stats, layout: ModelLayout, dtype: torch.dtype, settings: 
     fits = [LayerFits(s, settings.outlier_fraction, settings.per_head, settings.fp8_shift) for s in stats]
     if settings.has_budget:
         target = target_bits_for(settings, layout, dtype)
-        layers, notes["allocation"] = _mixed_layers(fits, layout, settings, target, dtype, progress)
+        n_full = sum(not layout.is_sliding(i) for i in range(layout.num_layers))
+        bar = _bar(n_full, "sensitivity", progress)
+        try:
+            layers, notes["allocation"] = mixed_layers(fits, layout, settings, target, dtype, bar)
+        finally:
+            if bar is not None:
+                bar.close()
         name = f"calibrated-mixed-{target:.2f}b"
     else:
         layers = _preset_layers(fits, layout, settings.preset)
@@ -145,66 +161,6 @@ def _preset_layers(fits: list[LayerFits], layout: ModelLayout, preset: str) -> l
             sinks=policy.sinks, sparsity=policy.sparsity, tensors=tensors,
         ), fits[i]))
     return layers
-
-
-def _mixed_layers(fits, layout, settings, target: float, dtype, progress: bool):
-    """Per-stream choices meeting `target` all-in bits at settings.context tokens, least total sensitivity."""
-    ctx, batch = settings.context, settings.batch
-    itemsize = torch.finfo(dtype).bits / 8
-    elements = sum(uncompressed_layer_bytes(layout, i, ctx, batch, dtype) for i in range(layout.num_layers)) / itemsize
-    budget = target * elements / 8
-    fixed, items, where, sens = 0.0, [], [], {}
-    full = [i for i in range(layout.num_layers) if not layout.is_sliding(i)]
-    bar = _bar(len(full), "sensitivity", progress)
-    for i in range(layout.num_layers):
-        if layout.is_sliding(i):
-            fixed += uncompressed_layer_bytes(layout, i, ctx, batch, dtype)
-            continue
-        probe = fits[i].policy(CANDIDATES[0], CANDIDATES[0])
-        body, exact = layer_tokens(probe, ctx)
-        fixed += batch * exact * layout.values_per_token(i) * itemsize
-        sens[i] = layer_sensitivity(fits[i], CANDIDATES)
-        for stream, d in (("key", layout.key_head_dim), ("value", layout.value_head_dim)):
-            opts = []
-            for c in CANDIDATES:
-                spec, tensors = fits[i].choice(c, stream)
-                cost = stream_cost(spec, {k.partition(".")[2]: v for k, v in tensors.items()},
-                                   probe.page_size, layout.num_kv_heads, d, dtype)
-                nbytes = batch * body * layout.num_kv_heads * d * cost.body_bits / 8 + cost.shared_bytes
-                nbytes += batch * cost.row_bytes if body else 0
-                opts.append(Option(c, nbytes, sens[i][stream][c]))
-            items.append(opts)
-            where.append((i, stream))
-        if bar is not None:
-            bar.update(1)
-    if bar is not None:
-        bar.close()
-    if fixed >= budget:
-        raise ConfigError(
-            f"--target-bits {target:.3f} is below what the exact parts (sinks, tails, sliding layers) need "
-            f"at {ctx} tokens; raise the target or the budget's context"
-        )
-    alloc = allocate(items, budget - fixed)
-    chosen = {w: c for w, c in zip(where, alloc.choices)}
-    layers = []
-    for i in range(layout.num_layers):
-        if layout.is_sliding(i):
-            layers.append(with_fp8_scales(LayerPolicy(), fits[i]))
-        else:
-            layers.append(fits[i].policy(chosen[(i, "key")], chosen[(i, "value")]))
-    achieved = config_bits_per_element(layers, layout, ctx, batch, dtype)
-    if achieved > target * (1 + 1e-9):
-        raise AssertionError(f"allocation gives {achieved} bits per element, over the target {target}")
-    notes = {
-        "target_bits": target,
-        "achieved_bits": achieved,
-        "context": ctx,
-        "batch": batch,
-        "choices": {str(i): [chosen[(i, "key")], chosen[(i, "value")]] for i in sens},
-        "sensitivity": {str(i): sens[i] for i in sens},
-        "total_loss": alloc.loss,
-    }
-    return layers, notes
 
 
 def _bar(total: int, desc: str, progress: bool):
