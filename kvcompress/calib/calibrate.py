@@ -115,6 +115,7 @@ def calibrate(model, tokenizer, text: str, settings: CalibrationSettings | None 
     notes = {
         "calibration": {
             **asdict(settings),
+            "keep_ratios": list(settings.keep_ratios),  # as the JSON metadata reads it back
             "model_dtype": str(dtype).removeprefix("torch."),
             "text_sha256": hashlib.sha256(text.encode()).hexdigest(),
             "text_tokens": len(token_ids),
