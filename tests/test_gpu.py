@@ -667,3 +667,47 @@ def test_smollm2_triton_steps_equal_torch_steps(smollm2_cuda, preset, monkeypatc
     got = run("triton", forced)
     assert (got - want).abs().max() <= 1e-3 * want.abs().max(), (got - want).abs().max()
     assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+@torch.no_grad()
+def test_calibrated_evicting_mixed_config_triton_steps_equal_torch_steps(monkeypatch):
+    """A `calibrate --keep-ratios` config (per-layer nuq bits, H2O in some layers) on a tiny Llama: 1000
+    prompt tokens, 24 greedy steps on the torch path; the Triton path teacher-forced on those tokens gives
+    the same logits (fp32 model) and the same argmax, and holds the same bytes (the same tokens evicted)."""
+    import importlib.resources
+
+    import kvcompress
+    from conftest import make_tiny_model
+    from test_calib import TEXT_SAMPLES, _ByteTokenizer
+
+    from kvcompress.cache import CompressedCache
+    from kvcompress.calib.calibrate import CalibrationSettings, calibrate
+    from kvcompress.compat import with_cache
+
+    model = make_tiny_model("llama", num_hidden_layers=4, head_dim=64)
+    text = (importlib.resources.files("kvcompress") / "data" / "calib.txt").read_text()[:6000]
+    cfg = calibrate(model, _ByteTokenizer(), text, CalibrationSettings(
+        target_bits=3.0, context=1024, keep_ratios=(0.5, 0.25), **TEXT_SAMPLES), progress=False)
+    assert {p.sparsity.method for p in cfg.layers} >= {"h2o"}
+    model = model.to(DEV)
+    ids = torch.randint(3, 256, (1, 1000), generator=torch.Generator().manual_seed(0)).to(DEV)
+
+    def run(backend, forced=None):
+        monkeypatch.setenv("KVCOMPRESS_KERNELS", backend)
+        cache = CompressedCache(model.config, cfg)
+        with kvcompress.enabled(model):
+            out = model(ids, **with_cache(cache))
+            logits, token = [out.logits[:, -1]], out.logits[:, -1:].argmax(-1)
+            for i in range(24):
+                token = token if forced is None else forced[i]
+                out = model(token, **with_cache(cache))
+                logits.append(out.logits[:, -1])
+                token = out.logits[:, -1:].argmax(-1)
+        return torch.stack(logits, 1), cache.memory_report()["held_bytes"]
+
+    want, want_bytes = run("torch")
+    forced = [want[:, i:i + 1].argmax(-1) for i in range(24)]
+    got, got_bytes = run("triton", forced)
+    assert got_bytes == want_bytes
+    assert (got - want).abs().max() <= 1e-3 * want.abs().max(), (got - want).abs().max()
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
