@@ -637,34 +637,36 @@ def test_smollm2_lossless_through_kvcompress_is_sdpa(smollm2_cuda, monkeypatch):
     assert torch.equal(got, want)
 
 
+def _greedy_steps(model, ids, config, steps, monkeypatch, backend, forced=None):
+    """(logits [B, steps + 1, V], cache): the prompt, then `steps` greedy tokens (or the `forced` ones)
+    decoded through a CompressedCache(config) on the `backend` kernels, under kvcompress.enable."""
+    import kvcompress
+    from kvcompress.cache import CompressedCache
+    from kvcompress.compat import with_cache
+
+    monkeypatch.setenv("KVCOMPRESS_KERNELS", backend)
+    cache = CompressedCache(model.config, config)
+    with kvcompress.enabled(model):
+        out = model(ids, **with_cache(cache))
+        logits, token = [out.logits[:, -1]], out.logits[:, -1:].argmax(-1)
+        for i in range(steps):
+            token = token if forced is None else forced[i]
+            out = model(token, **with_cache(cache))
+            logits.append(out.logits[:, -1])
+            token = out.logits[:, -1:].argmax(-1)
+    return torch.stack(logits, 1), cache
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("preset", ["fp8", "int4", "nuq4", "nuq3"])
 def test_smollm2_triton_steps_equal_torch_steps(smollm2_cuda, preset, monkeypatch):
     """700-token prompt, 40 greedy steps on the torch path; the Triton path teacher-forced on those tokens
     gives the same logits (fp32 model: both read the same quantized bytes) and the same argmax."""
-    import kvcompress
-    from kvcompress.cache import CompressedCache
-    from kvcompress.compat import with_cache
-
     model, tok = smollm2_cuda
     ids = _ids(tok)
-
-    def run(backend, forced=None):
-        monkeypatch.setenv("KVCOMPRESS_KERNELS", backend)
-        cache = CompressedCache(model.config, preset)
-        with kvcompress.enabled(model):
-            out = model(ids, **with_cache(cache))
-            logits, token = [out.logits[:, -1]], out.logits[:, -1:].argmax(-1)
-            for i in range(40):
-                token = token if forced is None else forced[i]
-                out = model(token, **with_cache(cache))
-                logits.append(out.logits[:, -1])
-                token = out.logits[:, -1:].argmax(-1)
-        return torch.stack(logits, 1)
-
-    want = run("torch")
+    want, _ = _greedy_steps(model, ids, preset, 40, monkeypatch, "torch")
     forced = [want[:, i:i + 1].argmax(-1) for i in range(40)]
-    got = run("triton", forced)
+    got, _ = _greedy_steps(model, ids, preset, 40, monkeypatch, "triton", forced)
     assert (got - want).abs().max() <= 1e-3 * want.abs().max(), (got - want).abs().max()
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
@@ -676,13 +678,10 @@ def test_calibrated_evicting_mixed_config_triton_steps_equal_torch_steps(monkeyp
     the same logits (fp32 model) and the same argmax, and holds the same bytes (the same tokens evicted)."""
     import importlib.resources
 
-    import kvcompress
     from conftest import make_tiny_model
     from test_calib import TEXT_SAMPLES, _ByteTokenizer
 
-    from kvcompress.cache import CompressedCache
     from kvcompress.calib.calibrate import CalibrationSettings, calibrate
-    from kvcompress.compat import with_cache
 
     model = make_tiny_model("llama", num_hidden_layers=4, head_dim=64)
     text = (importlib.resources.files("kvcompress") / "data" / "calib.txt").read_text()[:6000]
@@ -692,22 +691,9 @@ def test_calibrated_evicting_mixed_config_triton_steps_equal_torch_steps(monkeyp
     model = model.to(DEV)
     ids = torch.randint(3, 256, (1, 1000), generator=torch.Generator().manual_seed(0)).to(DEV)
 
-    def run(backend, forced=None):
-        monkeypatch.setenv("KVCOMPRESS_KERNELS", backend)
-        cache = CompressedCache(model.config, cfg)
-        with kvcompress.enabled(model):
-            out = model(ids, **with_cache(cache))
-            logits, token = [out.logits[:, -1]], out.logits[:, -1:].argmax(-1)
-            for i in range(24):
-                token = token if forced is None else forced[i]
-                out = model(token, **with_cache(cache))
-                logits.append(out.logits[:, -1])
-                token = out.logits[:, -1:].argmax(-1)
-        return torch.stack(logits, 1), cache.memory_report()["held_bytes"]
-
-    want, want_bytes = run("torch")
+    want, want_cache = _greedy_steps(model, ids, cfg, 24, monkeypatch, "torch")
     forced = [want[:, i:i + 1].argmax(-1) for i in range(24)]
-    got, got_bytes = run("triton", forced)
-    assert got_bytes == want_bytes
+    got, got_cache = _greedy_steps(model, ids, cfg, 24, monkeypatch, "triton", forced)
+    assert got_cache.memory_report()["held_bytes"] == want_cache.memory_report()["held_bytes"]
     assert (got - want).abs().max() <= 1e-3 * want.abs().max(), (got - want).abs().max()
     assert torch.equal(got.argmax(-1), want.argmax(-1))

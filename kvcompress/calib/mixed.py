@@ -35,7 +35,7 @@ def mixed_layers(fits, layout, settings, target: float, dtype, bar=None):
     elements = sum(uncompressed_layer_bytes(layout, i, ctx, batch, dtype) for i in range(layout.num_layers)) / itemsize
     budget = target * elements / 8
     ratios = sorted({1.0, *settings.keep_ratios}, reverse=True)
-    fixed, items, full, sens, evict, policies = 0.0, [], [], {}, {}, {}
+    fixed, items, full, sens, evict = 0.0, [], [], {}, {}
     for i in range(layout.num_layers):
         if layout.is_sliding(i):
             fixed += uncompressed_layer_bytes(layout, i, ctx, batch, dtype)
@@ -46,7 +46,6 @@ def mixed_layers(fits, layout, settings, target: float, dtype, bar=None):
         opts = []
         for kc, vc, r in itertools.product(CANDIDATES, CANDIDATES, ratios):
             policy = _policy(fits[i], kc, vc, r)
-            policies[(i, kc, vc, r)] = policy
             loss = sens[i]["key"][kc] + sens[i]["value"][vc] + evict[i][r]
             if not math.isfinite(loss):
                 continue
@@ -67,7 +66,7 @@ def mixed_layers(fits, layout, settings, target: float, dtype, bar=None):
     chosen = dict(zip(full, (_parse(n) for n in alloc.choices)))
     layers = []
     for i in range(layout.num_layers):
-        layers.append(policies[(i, *chosen[i])] if i in chosen else with_fp8_scales(LayerPolicy(), fits[i]))
+        layers.append(_policy(fits[i], *chosen[i]) if i in chosen else with_fp8_scales(LayerPolicy(), fits[i]))
     achieved = config_bits_per_element(layers, layout, ctx, batch, dtype)
     if achieved > target * (1 + 1e-9):
         raise AssertionError(f"allocation gives {achieved} bits per element, over the target {target}")

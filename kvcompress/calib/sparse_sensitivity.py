@@ -20,8 +20,7 @@ import torch
 from kvcompress.cache import CompressedLayer
 from kvcompress.calib.sensitivity import causal_attention, relative_error
 from kvcompress.config import LayerPolicy, SparsitySpec
-from kvcompress.sparse import make_policy
-from kvcompress.sparse.state import SparseState
+from kvcompress.sparse.state import attach_layer_sparsity
 
 SPARSE_PAGE = 16  # H2O's eviction chunk in full-precision layers (the sparse presets' pages)
 
@@ -38,9 +37,7 @@ def decoded_outputs(policy: LayerPolicy, q: torch.Tensor, k: torch.Tensor, v: to
     from kvcompress.integration import kvcompress_attention
 
     layer = CompressedLayer(policy)
-    spec = make_policy(policy.sparsity, 0)
-    if spec is not None:
-        layer.sparse = SparseState(spec, 0)
+    attach_layer_sparsity(layer)
     module = SimpleNamespace(scaling=scaling, _kvcompress_backend=None)
     t, prefill = q.shape[2], q.shape[2] // 2
     outs = []
@@ -59,11 +56,8 @@ def _attend(fn, module, q, ko, vo, scaling, layer) -> torch.Tensor:
     if layer.sparse is not None:
         out, _ = fn(module, q, ko, vo, None, scaling=scaling)  # [B, q, Hq, Dv]
         return out.transpose(1, 2).float()
-    if q.shape[2] > 1:
-        return causal_attention(q, ko.float(), vo.float(), scaling)
-    group = q.shape[1] // ko.shape[1]  # one query, the newest: it sees every held token
-    w = (q @ ko.float().repeat_interleave(group, 1).transpose(-1, -2) * scaling).softmax(-1)
-    return w @ vo.float().repeat_interleave(group, 1)
+    # the prefill (q and K/V aligned) or one decoded query, which sees every held token (a 1 x 1 mask)
+    return causal_attention(q, ko.float(), vo.float(), scaling)
 
 
 def eviction_sensitivity(policy: LayerPolicy, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,

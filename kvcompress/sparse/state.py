@@ -165,9 +165,18 @@ def clear_pending() -> None:
     _local.pending = None
 
 
+def attach_layer_sparsity(layer):
+    """Give one CompressedLayer the SparseState of its policy's sparsity (None where it stays dense: no
+    sparsity, or a layer below the spec's `dense_layers`); returns the layer's SparsePolicy or None."""
+    from kvcompress.sparse import make_policy
+
+    policy = make_policy(layer.policy.sparsity, layer.layer_idx)
+    layer.sparse = SparseState(policy, layer.layer_idx) if policy is not None else None
+    return policy
+
+
 def attach_sparsity(cache) -> None:
     """Give each CompressedLayer whose policy has sparsity (past its `dense_layers`) a SparseState."""
-    from kvcompress.sparse import make_policy
     from kvcompress.sparse.quest import LayerAllocator
 
     shared = []
@@ -175,8 +184,7 @@ def attach_sparsity(cache) -> None:
         spec = getattr(getattr(layer, "policy", None), "sparsity", None)
         if spec is None:
             continue
-        policy = make_policy(spec, layer.layer_idx)
-        layer.sparse = SparseState(policy, layer.layer_idx) if policy is not None else None
+        policy = attach_layer_sparsity(layer)
         if policy is not None and getattr(policy, "budget_sharing", "none") == "layers":
             shared.append((layer.layer_idx, spec))
     if shared:  # the Quest layers sharing the step's pages: one allocator, the same budget in each
