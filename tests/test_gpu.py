@@ -7,6 +7,8 @@ What is proved, on the GPU the speed numbers come from:
   the twin decodes the body to bf16 before its fp32 matmul while the kernel keeps the dequantized values
   in fp32 registers, and the output is rounded to bf16, each about 2^-9 relative);
 - GQA 1 and 3 at head dim 64 (SmolLM2's shape);
+- both fp8 bodies with both split merges (a launch of its own, or a programmatic dependent launch), also
+  replayed from a CUDA graph;
 - the Triton page encoder (append) writes bit-exactly the codec's fields on 8 heads x 4096 tokens, and the
   torch encode replayed from CUDA graphs stores what the eager one stores;
 - Quest page scoring on 1024 pages equals the torch scores;
@@ -104,6 +106,44 @@ def test_phase_kernel_codebook_reads(name, lut):
     q = torch.randn(3, 32, 128, generator=torch.Generator().manual_seed(29)).to(LOW).to(DEV)
     compare(parts, q, None, TOL[LOW], lut=lut)
     compare(parts, q, random_page_list(3, 8, 64, 20, seed=30).to(DEV), TOL[LOW], lut=lut)
+
+
+FP8_BODIES = [(phase, merge) for phase in (True, False) for merge in ("kernel", "pdl")]
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="inline PTX and programmatic dependent launch run on the GPU only")
+@pytest.mark.parametrize("name", ["fp8", "fp8-e5m2", "fp8-shift-kstatic"])
+def test_fp8_bodies_and_merges_equal_the_twin(name):
+    """Each fp8 body (tokens as M with values by phase, or query rows as M) with each merge (a launch of its
+    own, or a programmatic dependent of the body) equals the torch twin at Llama-3.1-8B layer size in bf16,
+    with and without a page list; the phase body's fp8 bytes converted by inline PTX give the operands of
+    Triton's shifts (the same output bit for bit); and a CUDA graph of the PDL step, replayed on a new
+    query, gives the eager step's output bit for bit."""
+    from kvcompress.kernels.decode_attention_triton import decode_attention_triton
+
+    parts = to_cuda(make_parts(name, b=3, hkv=8, d=128, pages=64, page=32, sinks=4, tail=31,
+                               lengths=[2048, 1500, 77], seed=34, dtype=LOW))
+    q = torch.randn(3, 32, 128, generator=torch.Generator().manual_seed(35)).to(LOW).to(DEV)
+    pl = random_page_list(3, 8, 64, 20, seed=36).to(DEV)
+    for phase, merge in FP8_BODIES:
+        compare(parts, q, None, TOL[LOW], fp8_phase=phase, merge=merge)
+        compare(parts, q, pl, TOL[LOW], fp8_phase=phase, merge=merge)
+    for page_list in (None, pl):
+        asm = decode_attention_triton(q, parts, 128 ** -0.5, page_list, fp8_phase=True)[0]
+        ops = decode_attention_triton(q, parts, 128 ** -0.5, page_list, fp8_phase=True, unpack="ops")[0]
+        assert torch.equal(asm, ops)
+
+    q_in = q.clone()
+    decode_attention_triton(q_in, parts, 128 ** -0.5, merge="pdl")  # compiled before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = decode_attention_triton(q_in, parts, 128 ** -0.5, merge="pdl")[0]
+    q2 = torch.randn(3, 32, 128, generator=torch.Generator().manual_seed(37)).to(LOW).to(DEV)
+    q_in.copy_(q2)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, decode_attention_triton(q2, parts, 128 ** -0.5, merge="pdl")[0])
+    compare(parts, q2, None, TOL[LOW])
 
 
 ASM_CASES = [("int4", torch.bfloat16), ("int2", torch.bfloat16), ("int4-vtok", torch.float16),

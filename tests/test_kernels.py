@@ -106,26 +106,28 @@ TENSORS = {
 
 
 def make_parts(name, *, b=2, hkv=2, d=64, pages=3, page=16, sinks=3, tail=5, lengths=None, seed=0,
-               dtype=torch.float32):
-    """Random K/V (a few large channels, as real keys have) packed by the codecs of preset-like `name`."""
+               dtype=torch.float32, value_gain=1.0):
+    """Random K/V (a few large channels, as real keys have) packed by the codecs of preset-like `name`;
+    values times value_gain."""
     g = torch.Generator().manual_seed(seed)
     n = pages * page
 
-    def rnd(t):
+    def rnd(t, gain=1.0):
         x = torch.randn(b, hkv, t, d, generator=g)
-        return (x * (1 + 4 * (torch.rand(d, generator=g) > 0.9))).to(dtype)
+        return (x * (1 + 4 * (torch.rand(d, generator=g) > 0.9)) * gain).to(dtype)
 
     streams = []
     for s, spec in enumerate(SPECS[name]):
         tensors = TENSORS[name](s, hkv, d) if name in TENSORS else {}
         codec = make_codec(spec, page_size=page, head_dim=d, num_heads=hkv, dtype=dtype, tensors=tensors, seed=s)
-        x = rnd(n)
+        x = rnd(n, value_gain if s == 1 else 1.0)
         if "shift" in tensors:  # the stream's channel means are the shift (as calibration finds them)
             x = x + tensors["shift"][None, :, None, :].to(dtype)
         row = codec.prepare(x)
         streams.append(PackedStream(codec, codec.encode(x, row), row, n))
     lens = None if lengths is None else torch.tensor(lengths, dtype=torch.int32)
-    return AttentionParts(streams[0], streams[1], rnd(sinks), rnd(sinks), rnd(tail), rnd(tail), lens)
+    return AttentionParts(streams[0], streams[1], rnd(sinks), rnd(sinks, value_gain), rnd(tail),
+                          rnd(tail, value_gain), lens)
 
 
 def reference(q, parts, scaling, page_list=None):
@@ -766,3 +768,46 @@ def test_default_splits_fill_at_most_one_wave(pairs, n):
     if n // MIN_SPLIT_TOKENS >= ONE_WARP_PER_SM * sms // pairs >= 1:  # room to fill: the wave is full
         assert pairs * (s + 1) > ONE_WARP_PER_SM * sms
     assert default_splits(pairs, sms, n, False) == max(1, -(-16 * sms // pairs))
+
+
+@needs_triton
+@pytest.mark.parametrize("name", ["fp8", "fp8-e5m2", "fp8-shift", "fp8-shift-kstatic"])
+@pytest.mark.parametrize("group,d", [(1, 128), (3, 64), (8, 64)], ids=["mha-d128", "gqa3-d64", "gqa8-d64"])
+def test_fp8_phase_body_equals_twin(name, group, d):
+    """The fp8 body with tokens as M of both dots and the values read by phase (decode_fp8_phase_triton,
+    the default for 16-bit caches) against the twin and against the body with the query rows as M: left
+    padding, ragged lengths, a partly filled last block per split, a Quest page list with holes, the
+    probabilities. fp16 inputs (the interpreter's bf16 is not the GPU's; tests/test_gpu.py runs bf16), so
+    the tolerance is fp16's (both bodies measured 3e-4 to 6e-4)."""
+    parts = make_parts(name, b=3, hkv=2, d=d, pages=5, page=16, sinks=3, tail=5, lengths=[80, 53, 37],
+                       seed=50, dtype=torch.float16)
+    parts.row_starts = torch.tensor([2, 40, 0], dtype=torch.int32)
+    q = torch.randn(3, 2 * group, d, generator=torch.Generator().manual_seed(51)).half()
+    check_triton(parts, q, block_n=32, splits=2, tol=2e-3, fp8_phase=True)
+    check_triton(parts, q, block_n=32, splits=2, tol=2e-3, fp8_phase=False)
+    parts.row_starts = None
+    pl = random_page_list(3, 2, 5, 3, seed=52)
+    check_triton(parts, q, pl, block_n=16, tol=2e-3, fp8_phase=True)
+
+
+@needs_triton
+def test_fp8_phase_body_keeps_tiny_value_scales():
+    """Values around 1e-3 (per-token scales near 1e-5, below fp16's smallest normal): the probabilities
+    enter the fp16 dot relative to each block's largest scale, so they keep fp16's precision; p times the
+    scale itself goes subnormal (measured 3.8e-3 that way, 6.5e-4 this way)."""
+    parts = make_parts("fp8", b=2, hkv=2, d=64, pages=4, page=16, lengths=[64, 45], seed=54,
+                       dtype=torch.float16, value_gain=1e-3)
+    q = torch.randn(2, 6, 64, generator=torch.Generator().manual_seed(55)).half()
+    check_triton(parts, q, block_n=32, splits=2, tol=2e-3, fp8_phase=True)
+
+
+def test_fp8_phase_body_refuses_what_it_cannot_read():
+    """Asked for explicitly, the fp8 phase body says why it cannot run instead of falling back silently."""
+    from kvcompress.kernels.decode_attention_triton import decode_attention_triton
+
+    parts = make_parts("fp8", b=1, hkv=2, d=64, pages=2, seed=53)  # float32: no fp16 operands
+    q = torch.randn(1, 4, 64)
+    with pytest.raises(ValueError, match="16-bit model dtype"):
+        decode_attention_triton(q, parts, 0.125, fp8_phase=True)
+    with pytest.raises(ValueError, match="both fp8"):
+        decode_attention_triton(q, make_parts("int4", b=1, hkv=2, d=64, pages=2, seed=53), 0.125, fp8_phase=True)

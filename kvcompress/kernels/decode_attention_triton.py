@@ -542,6 +542,8 @@ def decode_attention_triton(
     fp8_f16: bool = True,
     unpack: str | None = None,
     exact_apart: bool = True,
+    fp8_phase: bool | None = None,
+    merge: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Fused decode attention; same signature and result as `decode_attention_torch`.
 
@@ -562,10 +564,17 @@ def decode_attention_triton(
     only; "ops": Triton operations, one code at a time, the same values; None: "asm" where it runs),
     exact_apart: the fp8 kernel leaves the sinks and tail to the split merge (exact_reduce_triton), so the
     body's launch does not carry their registers and shared memory (False: all in the body's launch, to
-    compare).
+    compare), fp8_phase: the fp8 body with tokens as M of both dots and the values read by phase
+    (decode_fp8_phase_triton; None: where the value rows are 4-byte words, with fp16 operands and the exact
+    parts apart; False: the query rows as M, to compare), merge: how the fp8 kernel's splits are merged
+    with the exact parts ("kernel": a launch of its own; "pdl": the same launch as a programmatic dependent of
+    the body, on Hopper and later; None: "pdl" where it runs, measured faster on an H200, BENCHMARKS.md;
+    exact_reduce_triton).
     """
     if lut not in (None, "select", "gather", "shuffle"):
         raise ValueError(f"lut must be 'select', 'gather' or 'shuffle', got {lut!r}")
+    if merge not in (None, "kernel", "pdl"):
+        raise ValueError(f"merge must be 'kernel' or 'pdl', got {merge!r}")
     if unpack not in (None, "asm", "ops"):
         raise ValueError(f"unpack must be 'asm' or 'ops', got {unpack!r}")
     if unpack == "asm" and (not q.is_cuda or interpreting()):
@@ -613,6 +622,9 @@ def decode_attention_triton(
         value_args, dv, page_size, False)
     by_phase = paged and phase_kernel and phase.phase_supported(key_args, value_args, dk, dv)
     by_fp8 = paged and not by_phase and fast.is_fp8(key_args) and fast.is_fp8(value_args)
+    if fp8_phase and not by_fp8:
+        raise ValueError("fp8_phase=True is for caches whose keys and values are both fp8 (the fp8 kernel): "
+                         "pass fp8_phase=None")
     if by_phase:
         block_n = phase.phase_block(page_size, block_n)
     elif block_n is None:  # measured on an H200 (BENCHMARKS.md): fp8 32, else 64 with outliers, else 128
@@ -655,8 +667,19 @@ def decode_attention_triton(
         if page_list is None:  # per-token 16-bit scales read two to a word (scale_words.py)
             key_args, k_sw = scale_words(key_args)
             value_args, v_sw = scale_words(value_args)
-        kernel, extra = _fp8_split_kernel, dict(F16=fp8_f16 and dtype != torch.float32, K_SW=k_sw, V_SW=v_sw)
+        f16 = fp8_f16 and dtype != torch.float32
         apart = exact_apart
+        # the body with tokens as M and values by phase (decode_fp8_phase_triton) where the value rows are
+        # 4-byte words
+        vc = value_args.codes
+        by_words = all(x % 4 == 0 for x in (*vc.stride()[:3], vc.data_ptr(), dv))
+        if fp8_phase and not (f16 and apart and by_words):
+            raise ValueError("fp8_phase=True needs a 16-bit model dtype, fp8_f16=True, exact_apart=True and "
+                             "value code rows of whole 4-byte words: pass fp8_phase=None to fall back")
+        fp8_phase = f16 and apart and by_words and fp8_phase is not False
+        kernel, extra = _fp8_split_kernel, dict(
+            F16=f16, K_SW=k_sw, V_SW=v_sw, PHASE=fp8_phase, GQ=_next_pow2(group),
+            ASM=fp8_phase and unpack != "ops" and q.is_cuda and not interpreting())
         # measured on an H200 (BENCHMARKS.md, 2026-12-02): blocks of 32 tokens (above), one warp, three stages
         num_warps, num_stages = num_warps or 1, num_stages or 3
     elif paged:
@@ -733,11 +756,18 @@ def decode_attention_triton(
     )
     out = torch.empty(b, hq, dv, device=dev, dtype=q.dtype)
     lse = torch.empty(b, hq, device=dev, dtype=torch.float32)
+    # programmatic dependent launch needs Hopper or later (Triton's interpreter has none)
+    pdl_runs = q.is_cuda and not interpreting() and torch.cuda.get_device_capability(dev)[0] >= 9
+    if merge is None or (merge == "pdl" and not pdl_runs):
+        merge = "pdl" if pdl_runs else "kernel"
     if apart:  # the body alone, then the exact parts in the merge (exact_reduce_triton)
         from kvcompress.kernels.exact_reduce_triton import _exact_reduce_kernel
 
+        # PDL: the body signals as it starts and the merge alone is launched as its dependent; the body is
+        # launched as usual, so it never runs ahead of the kernels before it (which write q and the cache)
+        pdl = merge == "pdl"
         if body_splits:
-            kernel[(b * hkv, body_splits)](*args, **consts, BODY_ONLY=True)
+            kernel[(b * hkv, body_splits)](*args, **consts, BODY_ONLY=True, PDL=pdl)
         _exact_reduce_kernel[(b * hq,)](
             q, q.stride(0), q.stride(1),
             sink_k, sink_k.stride(0), sink_k.stride(1), sink_k.stride(2),
@@ -749,7 +779,7 @@ def decode_attention_triton(
             HKV=hkv, G=group, DK=dk, DV=dv, DBN=32, SB=merge_block(n_splits),
             HAS_TLEN=parts.tail_lengths is not None, HAS_STARTS=parts.row_starts is not None,
             WRITE_SCORES=return_probs,
-            DOT_FP32=dtype == torch.float32, DT=_DOT_DTYPES[dtype],
+            DOT_FP32=dtype == torch.float32, DT=_DOT_DTYPES[dtype], PDL=pdl, launch_pdl=pdl,
         )
     else:
         kernel[(b * hkv, body_splits + 1)](*args, **consts)

@@ -18,6 +18,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from triton.language.extra.cuda import gdc_launch_dependents
+
+from kvcompress.kernels.decode_fp8_phase_triton import _fp8_f16, fp8_phase_body
 from kvcompress.kernels.decode_attention_triton import (
     LENGTH_ARGS,
     NEG_BIG,
@@ -27,16 +30,6 @@ from kvcompress.kernels.decode_attention_triton import (
     _sinks_then_tail,
     _value_of,
 )
-
-
-@triton.jit
-def _fp8_f16(c, KIND: tl.constexpr):
-    """fp8 bytes (uint8) as fp16, exactly: one conversion instruction per pair on sm_89+."""
-    if KIND == 1:
-        x = c.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-    else:
-        x = c.to(tl.float8e5, bitcast=True).to(tl.float16)
-    return x
 
 
 @triton.jit
@@ -134,6 +127,8 @@ def _fp8_split_kernel(
     HAS_BODY: tl.constexpr, HAS_LENS: tl.constexpr, HAS_TLEN: tl.constexpr, HAS_STARTS: tl.constexpr, HAS_PL: tl.constexpr,
     WRITE_SCORES: tl.constexpr, DOT_FP32: tl.constexpr, DT: tl.constexpr, F16: tl.constexpr = False,
     K_SW: tl.constexpr = 0, V_SW: tl.constexpr = 0, BODY_ONLY: tl.constexpr = False,
+    PHASE: tl.constexpr = False, GQ: tl.constexpr = 1, ASM: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """Grid (B * Hkv, body splits + 1); partial row of split s at s, the exact parts at n_body_splits.
     Scales: SCALE_AT 1 (per token, folded into the scores / probabilities), 4 (per head) or 3 (per row and
@@ -141,7 +136,10 @@ def _fp8_split_kernel(
     to them in one hardware step (bf16 would go through float32); the queries enter clamped to fp16's
     range, the value scales apply after the dot unless they are per token. K_SW / V_SW: per-token scales
     read as words (_token_scales). BODY_ONLY: grid (B * Hkv, body splits), the exact parts left to
-    exact_reduce_triton (so this kernel does not hold their registers and shared memory)."""
+    exact_reduce_triton (so this kernel does not hold their registers and shared memory). PHASE (with F16
+    and BODY_ONLY): the body by decode_fp8_phase_triton, tokens as M of both dots and the values read by
+    phase (GQ: G rounded up to a power of two; ASM: its fp8 bytes converted by inline PTX, the GPU only).
+    PDL: let the merge launch (a programmatic dependent, exact_reduce_triton) start now."""
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
     n_splits = n_body_splits + 1
@@ -154,6 +152,41 @@ def _fp8_split_kernel(
         row_first = 0
     if HAS_TLEN:  # tail length on the device: the tail buffer of a captured decode step is longer
         n_tail = tl.load(TLEN).to(tl.int32)
+    if PDL:
+        gdc_launch_dependents()
+    if PHASE:
+        tl.static_assert(BODY_ONLY and F16)
+        fp8_phase_body(Q, q_sb, q_sh, KC, kc_sb, kc_sh, kc_sn, KS, KZ, ks_sb, ks_sh, ks_sn, ks_sc,
+                       VC, vc_sb, vc_sh, vc_sn, VS, VZ, vs_sb, vs_sh, vs_sn, vs_sc,
+                       LENS, n_body, PL, pl_sb, pl_sh, n_sel, tokens_per_split, n_sink, row_first,
+                       M_OUT, L_OUT, ACC_OUT, SCORES, sc_sb, sc_sh, qk_scale, b, h, split, n_splits,
+                       HKV, G, GQ, DK, DV, P, BN, K_KIND, K_SCALE_AT, K_HAS_ZERO, K_SW, V_KIND, V_SCALE_AT,
+                       V_HAS_ZERO, V_SW, HAS_LENS, HAS_PL, WRITE_SCORES, ASM)
+    else:
+        _fp8_program(Q, q_sb, q_sh, KC, kc_sb, kc_sh, kc_sn, KS, KZ, ks_sb, ks_sh, ks_sn, ks_sc,
+                     VC, vc_sb, vc_sh, vc_sn, VS, VZ, vs_sb, vs_sh, vs_sn, vs_sc,
+                     SK, sk_sb, sk_sh, sk_sn, SV, sv_sb, sv_sh, sv_sn, n_sink,
+                     TK, tk_sb, tk_sh, tk_sn, TV, tv_sb, tv_sh, tv_sn, n_tail,
+                     LENS, n_body, PL, pl_sb, pl_sh, n_sel, tokens_per_split, n_body_splits,
+                     M_OUT, L_OUT, ACC_OUT, SCORES, sc_sb, sc_sh, qk_scale, b, h, b64, split, n_splits, row_first,
+                     HKV, G, GP, DK, DV, P, BN, DBN, K_KIND, K_SCALE_AT, K_HAS_ZERO, V_KIND, V_SCALE_AT,
+                     V_HAS_ZERO, HAS_LENS, HAS_PL, WRITE_SCORES, DOT_FP32, DT, F16, K_SW, V_SW, BODY_ONLY)
+
+
+@triton.jit
+def _fp8_program(Q, q_sb, q_sh, KC, kc_sb, kc_sh, kc_sn, KS, KZ, ks_sb, ks_sh, ks_sn, ks_sc,
+                 VC, vc_sb, vc_sh, vc_sn, VS, VZ, vs_sb, vs_sh, vs_sn, vs_sc,
+                 SK, sk_sb, sk_sh, sk_sn, SV, sv_sb, sv_sh, sv_sn, n_sink,
+                 TK, tk_sb, tk_sh, tk_sn, TV, tv_sb, tv_sh, tv_sn, n_tail,
+                 LENS, n_body, PL, pl_sb, pl_sh, n_sel, tokens_per_split, n_body_splits,
+                 M_OUT, L_OUT, ACC_OUT, SCORES, sc_sb, sc_sh, qk_scale, b, h, b64, split, n_splits, row_first,
+                 HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                 P: tl.constexpr, BN: tl.constexpr, DBN: tl.constexpr, K_KIND: tl.constexpr,
+                 K_SCALE_AT: tl.constexpr, K_HAS_ZERO: tl.constexpr, V_KIND: tl.constexpr,
+                 V_SCALE_AT: tl.constexpr, V_HAS_ZERO: tl.constexpr, HAS_LENS: tl.constexpr,
+                 HAS_PL: tl.constexpr, WRITE_SCORES: tl.constexpr, DOT_FP32: tl.constexpr, DT: tl.constexpr,
+                 F16: tl.constexpr, K_SW: tl.constexpr, V_SW: tl.constexpr, BODY_ONLY: tl.constexpr):
+    """The program with the query rows as M of both dots: the exact parts' split, or one body split."""
     g = tl.arange(0, GP)
     g_ok = g < G
     q_rows = Q + b64 * q_sb + (h * G + g)[:, None] * q_sh
