@@ -51,7 +51,8 @@ def method_spec(name: str):
     "NAME-paged": a preset on decode_paged_triton instead of decode_phase_triton; "fp8-static": fp8 as
     `calibrate --preset fp8` makes it (static scales per head, streams shifted per channel); "NAME-pNN": pages
     of NN tokens (nuq4-p64: the layout of the nuq4+quest-1024 preset); "NAME-fp16s": a nuq preset with its
-    scales in fp16 (nuq4's are FP8, one byte)."""
+    scales in fp16 (nuq4's are FP8, one byte); "NAME-ktok": the key outliers chosen per token
+    (outlier_scope="token"); "NAME-kpage": chosen per page."""
     import re
     from dataclasses import replace
 
@@ -59,6 +60,10 @@ def method_spec(name: str):
     if page:
         key, value, _, sinks, tail = method_spec(name[: page.start()])
         return key, value, int(page.group(1)), sinks, tail
+    for suffix, scope in (("-ktok", "token"), ("-kpage", "page")):
+        if name.endswith(suffix):
+            key, value, page, sinks, tail = method_spec(name.removesuffix(suffix))
+            return replace(key, outlier_scope=scope), value, page, sinks, tail
     if name.endswith("-fp16s"):
         key, value, page, sinks, tail = method_spec(name.removesuffix("-fp16s"))
         return replace(key, scale_format="fp16"), replace(value, scale_format="fp16"), page, sinks, tail

@@ -59,6 +59,10 @@ SPECS = {
     # the nuq4 preset: key outliers only, values on a Student-t codebook, scales in FP8 (one byte)
     "nuq4-kout": (QuantSpec(method="nuq", bits=4, axis="page", outlier_fraction=0.01, scale_format="e4m3"),
                   QuantSpec(method="nuq", bits=4, axis="token", codebook="student_t5", scale_format="e5m2")),
+    # the same with the key outliers chosen per token (a fixed count per token: the phase kernel gathers them)
+    "nuq4-ktok": (QuantSpec(method="nuq", bits=4, axis="page", outlier_fraction=0.01, scale_format="e4m3",
+                            outlier_scope="token"),
+                  QuantSpec(method="nuq", bits=4, axis="token", codebook="student_t5", scale_format="e5m2")),
     "nuq4-rot": (QuantSpec(method="nuq", bits=4, rotation=True), QuantSpec(method="nuq", bits=4, rotation=True)),
     # the nuq2 preset: keys per page range, values Hadamard-rotated on a Gaussian codebook (phase kernel)
     "nuq2-vrot": (QuantSpec(method="nuq", bits=2, axis="page", outlier_fraction=0.01, scale_format="e4m3"),
@@ -382,11 +386,12 @@ def test_tail_length_on_the_device(name):
 @pytest.mark.parametrize("name,d,lut", [
     ("int4", 128, "select"), ("int4", 64, "select"), ("int2", 128, "select"), ("int2", 64, "select"),
     ("int4-vtok", 128, "select"), ("nuq4-kout", 128, "select"), ("nuq4-kout", 64, "gather"),
-    ("nuq4-kout", 64, "shuffle"), ("nuq2-page", 64, "select"), ("nuq2-vrot", 64, "shuffle")])
+    ("nuq4-kout", 64, "shuffle"), ("nuq4-ktok", 128, "select"), ("nuq4-ktok", 64, "shuffle"),
+    ("nuq2-page", 64, "select"), ("nuq2-vrot", 64, "shuffle")])
 def test_phase_kernel_is_used_and_equals_the_others(name, d, lut, monkeypatch):
-    """2/4-bit caches with keys per page (KIVI int, the nuq presets' layout with key outliers, values
-    Hadamard-rotated) go through decode_phase_triton (a spy on its launch says so; int8 / int3 / nuq3 /
-    per-channel nuq keys do not); on GQA 1 / 3 / 8, ragged rows, pages of 16 in tiles of 32 and a page
+    """2/4-bit caches with keys per page (KIVI int, the nuq presets' layout with key outliers per page or
+    per token, values Hadamard-rotated) go through decode_phase_triton (a spy on its launch says so; int8 /
+    int3 / nuq3 / per-channel nuq keys do not); on GQA 1 / 3 / 8, ragged rows, pages of 16 in tiles of 32 and a page
     list, it equals the twin and the paged kernel it replaces (phase_kernel=False)."""
     from kvcompress.kernels import decode_phase_triton as phase
     from kvcompress.kernels.decode_attention_triton import decode_attention_triton

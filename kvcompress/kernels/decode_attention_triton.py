@@ -646,6 +646,7 @@ def decode_attention_triton(
         kernel, extra = phase._phase_split_kernel, dict(
             KIND=key_args.kind, BITS=key_args.bits, V_GROUP=value_args.group, V_HAS_ZERO=value_args.has_zero,
             K_NOUT=key_args.n_outliers, K_KCP=max(16, _next_pow2(key_args.n_outliers)),
+            K_TOK=getattr(parts.key.codec, "outliers_per_token", 0) if key_args.n_outliers else 0,
             OPB=block_n // page_size, LUT=phase.LUTS[lut or "shuffle"],
             PHK=fast.phases(key_args, dk), PHV=fast.phases(value_args, dv), WK=fast.words(key_args, dk),
             WV=fast.words(value_args, dv), K_WB=fast.word_bits(key_args, dk), V_WB=fast.word_bits(value_args, dv),

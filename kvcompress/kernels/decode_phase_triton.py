@@ -39,6 +39,7 @@ from kvcompress.kernels.decode_attention_triton import (
     NEG_BIG,
     _body_extent,
     _cast,
+    _dequant_points,
     _dot,
     _exact_split,
     _outlier_deltas,
@@ -146,6 +147,38 @@ def _words(p, step, tok, ok, W: tl.constexpr, TRANS: tl.constexpr):
     return w.to(tl.int32)
 
 
+@triton.jit
+def _token_outlier_scores(oidx, oval, o_sp, codes, c_sn, ks, kz, ks_sn, ks_sc, kcb, pl, q_cols, gh_ok, l0, end,
+                          len_b, HAS_PL: tl.constexpr, P: tl.constexpr, BN: tl.constexpr, K_TOK: tl.constexpr,
+                          KIND: tl.constexpr, BITS: tl.constexpr, DK: tl.constexpr):
+    """[BN, GQ] score corrections of the BN tokens from logical token l0 whose key outliers were chosen
+    K_TOK per token: sum over the token's slots of (exact - coded value) * q[channel]. Why a gather: with a
+    fixed count per token each token's slots sit at t * K_TOK + j of its page, so the corrections need no
+    match of every slot against every row (the one-hot dot of the per-page lists, whose compares and
+    shared-memory operands cost more than the rest of nuq4's tile: compiled SASS for sm_90, BENCHMARKS.md).
+    q_cols: Q's columns of the kv head's query heads ([1, GQ] pointers)."""
+    KP: tl.constexpr = triton.next_power_of_2(K_TOK)
+    o = tl.arange(0, BN * KP)
+    j = o % KP
+    l = l0 + o // KP
+    ok = (l < end) & (j < K_TOK)
+    if HAS_PL:
+        page = tl.load(pl + l // P, mask=ok, other=-1)
+        ok = ok & (page >= 0)
+        page = tl.maximum(page, 0)
+    else:
+        page = l // P
+    tok = page * P + l % P
+    ok = ok & (tok < len_b)
+    slot = page * o_sp + (l % P) * K_TOK + j
+    d = tl.load(oidx + slot, mask=ok, other=0).to(tl.int32) % DK
+    val = tl.load(oval + slot, mask=ok, other=0.0).to(tl.float32)
+    coded = _dequant_points(codes, c_sn, ks, kz, ks_sn, ks_sc, kcb, tok, page, d, ok, KIND, BITS, 2, 1, True, DK)
+    delta = tl.where(ok, val - coded, 0.0)
+    q_at = tl.load(q_cols + d[:, None], mask=ok[:, None] & gh_ok[None, :], other=0.0).to(tl.float32)
+    return tl.sum(tl.reshape(q_at * delta[:, None], (BN, KP, q_at.shape[1])), 1)
+
+
 @triton.jit(do_not_specialize=LENGTH_ARGS)
 def _phase_split_kernel(
     Q, q_sb, q_sh,
@@ -165,7 +198,7 @@ def _phase_split_kernel(
     PHK: tl.constexpr, PHV: tl.constexpr, WK: tl.constexpr, WV: tl.constexpr, K_WB: tl.constexpr,
     V_WB: tl.constexpr, MAGIC: tl.constexpr, SHIFT: tl.constexpr, GQ: tl.constexpr, NGP: tl.constexpr,
     K_AFFINE: tl.constexpr, K_MAGIC: tl.constexpr, K_SHIFT: tl.constexpr, ASM: tl.constexpr,
-    K_LUT_ASM: tl.constexpr, V_LUT_ASM: tl.constexpr, LT_OFF: tl.constexpr,
+    K_LUT_ASM: tl.constexpr, V_LUT_ASM: tl.constexpr, LT_OFF: tl.constexpr, K_TOK: tl.constexpr = 0,
 ):
     """Grid (B * Hkv, body splits + 1). Partial rows per (b, query head): one per body split, then the exact
     parts (sinks, tail) at n_body_splits. KIND: int (3) or nuq (4); GQ: G rounded up to a power of two;
@@ -174,7 +207,9 @@ def _phase_split_kernel(
     K_SHIFT) with the page scale and zero folded, no level lookup. ASM: codes unpacked by inline PTX
     (unpack_asm_triton; the GPU only, bf16 / fp16 dots): int codes, and with K_LUT_ASM / V_LUT_ASM 4-bit
     levels in place of the shuffle, from KLT / VLT, the codebooks' byte tables (streams.level_tables),
-    LT_OFF: their columns for DT."""
+    LT_OFF: their columns for DT. K_TOK: the key outliers were chosen K_TOK per token (outlier_scope "token",
+    slot t * K_TOK + j of the token's page): corrected by a gather per token (`_token_outlier_scores`)
+    instead of the one-hot dot over the page's list."""
     RV: tl.constexpr = NGP * GQ
     NG: tl.constexpr = DV // V_GROUP
     IS_INT: tl.constexpr = KIND == 3
@@ -305,7 +340,11 @@ def _phase_split_kernel(
                         codes = _phase(kw, I, BITS, K_MAGIC, K_SHIFT, DOT_FP32, DT, K_KIND, LUT, klev, kcb)
                     part = _mma(codes, qd, part, DOT_FP32)
                 sT = tl.where(((t // P) == j)[:, None], part + tl.sum(fix, 0)[None, :], sT)
-            if K_NOUT > 0:  # exact key outliers: (exact - coded) . q, one sparse one-hot dot per tile
+            if K_TOK > 0:  # exact key outliers, K_TOK per token: (exact - coded) . q gathered per token
+                sT += _token_outlier_scores(
+                    KOI + b64 * ko_sb + h * ko_sh, KOV + b64 * ko_sb + h * ko_sh, ko_sp, kc_bytes, kc_sn, ks, kz,
+                    ks_sn, ks_sc, kcb, pl, q_cols, gh_ok, l0, end, len_b, HAS_PL, P, BN, K_TOK, KIND, BITS, DK)
+            elif K_NOUT > 0:  # exact key outliers: (exact - coded) . q, one sparse one-hot dot per tile
                 r, d_o, delta, o_ok = _outlier_deltas(
                     KOI + b64 * ko_sb + h * ko_sh, KOV + b64 * ko_sb + h * ko_sh, ko_sp, kc_bytes, kc_sn, ks,
                     kz, ks_sn, ks_sc, kcb, pl, l0, n_logical, len_b, HAS_PL, P, BN, OPB, K_KCP, K_NOUT, KIND,
