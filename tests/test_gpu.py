@@ -553,7 +553,7 @@ def _replay_against_eager(model, cfg, seed: int, steps: int = 72):
     return graph, eager_graph, worst_eager, worst_grow, same, caches
 
 
-@pytest.mark.parametrize("preset", ["nuq4", "int4", "int2", "fp8", "fp8-shift"])
+@pytest.mark.parametrize("preset", ["nuq4", "nuq4-fast", "int4", "int2", "fp8", "fp8-shift"])
 def test_decode_graph_replays_the_step(preset):
     """A 4-layer bf16 Llama (8 query / 2 kv heads, d 128), batch 3 with one row left-padded by 100 tokens,
     600-token prompt, 72 teacher-forced steps (several page flushes): DecodeGraph's replayed steps equal its eager fixed-address steps (same kernels,

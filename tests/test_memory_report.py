@@ -107,6 +107,32 @@ def test_quantized_report_matches_held_tensors(preset):
     assert rep["payload_bytes"] > 0 and rep["metadata_bytes"] > 0
 
 
+def test_nuq4_fast_is_nuq4_without_the_outlier_store():
+    """nuq4-fast: nuq4's policy with the key outlier fraction at 0 (GQA and MLA layouts), so its pages hold
+    no outlier side store and the same cache holds fewer bytes by exactly nuq4's outlier tensors."""
+    from dataclasses import replace
+
+    from kvcompress.config import KVCompressConfig, ModelLayout
+
+    for layout in (ModelLayout("llama", 2, 3, 64, 64, ("full_attention",) * 2),
+                   ModelLayout("deepseek_v3", 2, 1, 512, 64, ("full_attention",) * 2, attention="mla")):
+        base, fast = (KVCompressConfig.from_preset(n, layout).layers[0] for n in ("nuq4", "nuq4-fast"))
+        assert base.key.outlier_fraction > 0 and fast.key.outlier_fraction == 0
+        assert fast == replace(base, key=replace(base.key, outlier_fraction=0.0))
+    model = make_tiny_model("llama", head_dim=64)
+    caches = {}
+    for name in ("nuq4", "nuq4-fast"):
+        caches[name] = CompressedCache(model.config, name)
+        run(model, caches[name], prefill=170, decode_steps=2)
+    outliers = 0
+    for slow, fast in zip(caches["nuq4"].layers, caches["nuq4-fast"].layers):
+        assert "outlier_idx" in slow.key_store.data and "outlier_idx" not in fast.key_store.data
+        assert fast.key_store.data.keys() | {"outlier_idx", "outlier_val"} == slow.key_store.data.keys()
+        outliers += sum(slow.key_store.data[n].nbytes for n in ("outlier_idx", "outlier_val"))
+    held = {n: c.memory_report()["held_bytes"] for n, c in caches.items()}
+    assert held["nuq4"] - held["nuq4-fast"] == outliers > 0
+
+
 def test_sliding_and_full_layers():
     """Gemma3: sliding layers stay exact and bounded; the full layers compress."""
     model = make_tiny_model("gemma3")
