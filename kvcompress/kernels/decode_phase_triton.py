@@ -17,8 +17,10 @@ reads a 4-bit cache at 0.44x the speed of bf16 SDPA. Here nothing per element go
   per element; on the GPU the 4-bit levels by byte permutes instead of the shuffle, unpack_asm_triton.py);
 - keys: scores^T [BN, GQ] = sum over phases of codes_I [BN, W] . (q * key scale)_I^T [W, GQ]: the tokens
   are M and the G query heads of the kv head are N, so a page's scales fold into a [W, GQ] query tile per
-  phase (tiny) instead of a stacked [16, D] one; the zeros and the code offset come back as one sum;
-  key outliers are exact corrections, one sparse one-hot dot per tile as in the paged kernel;
+  phase (tiny) instead of a stacked [16, D] one; the zeros and the code offset come back as one sum; the
+  page's scales and zeros are one load each, split by phase in registers;
+  key outliers are exact corrections, one sparse one-hot dot per tile as in the paged kernel (or a gather
+  per token), computed before the tile's dense work so that their dependent loads run under it;
 - values: out_I^T [W, RV] += codes_I^T [W, BN] . a^T [BN, RV], where the RV columns are (channel group,
   head) pairs and a = p times that group's per-token scale; each output channel keeps the column of its
   own group (with G = 4 and 4 groups of 32 channels the 16 columns are all used);
