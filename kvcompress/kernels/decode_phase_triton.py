@@ -204,28 +204,19 @@ def _cols8(x):
 
 
 @triton.jit
-def _cols16(x):
-    e, o = _split2(x)
-    a0, a1, a2, a3, a4, a5, a6, a7 = _cols8(e)
-    b0, b1, b2, b3, b4, b5, b6, b7 = _cols8(o)
-    return a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7
-
-
-@triton.jit
 def _by_phase(x, N: tl.constexpr):
-    """x [W, N] -> a tuple of its N columns [W] (N = 1, 2, 4, 8 or 16), by halving splits: no data moves
-    between threads when each thread holds whole rows."""
-    tl.static_assert(N == 1 or N == 2 or N == 4 or N == 8 or N == 16)
+    """x [W, N] -> a tuple of its N columns [W] (N = 1, 2, 4 or 8: a word holds at most
+    decode_paged_triton.MAX_PHASES codes), by halving splits: no data moves between threads when each thread
+    holds whole rows."""
+    tl.static_assert(N == 1 or N == 2 or N == 4 or N == 8)
     if N == 1:
         return (tl.reshape(x, (x.shape[0],)),)
     elif N == 2:
         return tl.split(x)
     elif N == 4:
         return _cols4(x)
-    elif N == 8:
-        return _cols8(x)
     else:
-        return _cols16(x)
+        return _cols8(x)
 
 
 @triton.jit(do_not_specialize=LENGTH_ARGS)
@@ -309,6 +300,7 @@ def _phase_split_kernel(
         rv_ok = ((rv % GQ) < G) & (rv_grp < NG)
         ng = tl.arange(0, NGP)
         wk = tl.arange(0, WK)
+        k_rows = wk[:, None] * PHK + tl.arange(0, PHK)[None, :]  # a page's key channels as [word, phase]
         wv = tl.arange(0, WV)
         t = tl.arange(0, BN)
         # the query by phase, q^T [WK, GQ] each (loaded once)
@@ -382,9 +374,8 @@ def _phase_split_kernel(
                 # the page's key scales and zeros: one [WK, PHK] load each (channel w * PHK + I at [w, I]), split
                 # by phase in registers. Loaded phase by phase ([WK] each), they were 2 * PHK small loads that the
                 # loop waited on: int4 1.18x -> 1.36x bf16 SDPA at 32K x 8, nuq4 0.68x -> 0.74x (H200)
-                rows = kpage * ks_sn + wk[:, None] * PHK + tl.arange(0, PHK)[None, :]
-                ks_ph = _by_phase(tl.load(ks + rows), PHK)
-                kz_ph = _by_phase(tl.load(kz + rows), PHK)
+                ks_ph = _by_phase(tl.load(ks + kpage * ks_sn + k_rows), PHK)
+                kz_ph = _by_phase(tl.load(kz + kpage * ks_sn + k_rows), PHK)
                 for I in tl.static_range(PHK):
                     k_s = ks_ph[I].to(tl.float32)
                     k_z = kz_ph[I].to(tl.float32)
