@@ -167,6 +167,21 @@ class SparsitySpec:
             raise ConfigError(f"sparsity method {self.method!r} needs a token budget or a ratio of the context")
         if self.merge and self.method != "h2o":
             raise ConfigError(f"merge applies to H2O's evictions, not to {self.method!r}; drop merge=True")
+        # options the method's policy never reads are refused rather than silently ignored
+        if self.recent and self.method != "h2o":
+            raise ConfigError(
+                f"recent (a window always kept) applies to H2O, not to {self.method!r}: StreamingLLM keeps its "
+                f"budget less its sinks as the recent window, Quest always reads the newest page and a "
+                f"quantized layer's exact tail (LayerPolicy.residual), SnapKV keeps its observation window; "
+                f"drop recent={self.recent}")
+        if self.sinks and self.method not in ("h2o", "streaming"):
+            raise ConfigError(
+                f"sinks apply to H2O and StreamingLLM, not to {self.method!r}: Quest always reads the first "
+                f"page; to keep the first tokens exact in a quantized layer use LayerPolicy.sinks; drop "
+                f"sinks={self.sinks}")
+        if self.budget_sharing != "none" and self.method != "quest":
+            raise ConfigError(f"budget_sharing applies to Quest's page selection, not to {self.method!r}; drop "
+                              f"budget_sharing={self.budget_sharing!r}")
 
     @property
     def needs_attention(self) -> bool:

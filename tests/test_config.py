@@ -323,3 +323,20 @@ def test_an_option_the_method_ignores_is_refused():
     with pytest.raises(ConfigError, match="group_size does not apply to method='nuq'"):
         QuantSpec(method="nuq", bits=4, group_size=32)
     assert QuantSpec(method="int", bits=4, group_size=32).group_size == 32
+
+
+@pytest.mark.parametrize("method, option", [("quest", dict(recent=32)), ("snapkv", dict(recent=16)),
+                                            ("streaming", dict(recent=8)), ("quest", dict(sinks=4)),
+                                            ("snapkv", dict(sinks=4)), ("h2o", dict(budget_sharing="heads"))])
+def test_a_sparsity_option_the_policy_ignores_is_refused(method, option):
+    """Quest never read `recent` or `sinks` (it always reads the first and the newest page), SnapKV neither,
+    and only Quest shares budgets: a spec that sets them for another policy is refused with the fix, where it
+    would have run as if they were unset."""
+    from kvcompress.config import SparsitySpec
+
+    name = next(iter(option))
+    with pytest.raises(ConfigError, match=f"{name}.*not to '{method}'.*drop {name}="):
+        SparsitySpec(method, ratio=0.5, **option)
+    assert SparsitySpec("h2o", ratio=0.5, recent=32, sinks=4).recent == 32
+    assert SparsitySpec("streaming", ratio=0.5, sinks=4).sinks == 4
+    assert SparsitySpec("quest", ratio=0.5, budget_sharing="heads").budget_sharing == "heads"
