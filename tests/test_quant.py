@@ -433,6 +433,38 @@ def test_saturated_fp8_page_ranges_warn_at_the_first_encode_only(monkeypatch):
     assert encode_warns(quiet, 1.0) == []
 
 
+@pytest.mark.parametrize("fmt, scale, warns", [("e4m3", 1e-3, True), ("e4m3", 1.0, False), ("e4m3", 1e3, True),
+                                               ("e5m2", 1e-3, False), ("fp16", 1e-3, False)])
+def test_fp8_token_scales_out_of_range_warn_at_the_first_encode_only(monkeypatch, fmt, scale, warns):
+    """Values whose per-token scales fall outside the FP8 format's normal range (clamped there, so those
+    tokens lose precision) warn when a codec's first tokens are encoded, naming the fix; e5m2's range holds
+    what e4m3's does not, and later encodes skip the check (it reads back to the host)."""
+    import warnings
+
+    from kvcompress.quant import page_range as pr
+    from kvcompress.quant.nuq import NuqCodec
+
+    def encode_warns(codec):
+        monkeypatch.setattr(pr, "_warned", False)
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            codec.encode(torch.randn(1, 2, 32, 64, generator=torch.Generator().manual_seed(5)) * scale, {})
+        return [str(x.message) for x in w if "per-token scales" in str(x.message)]
+
+    codec = NuqCodec(page_size=32, head_dim=64, num_heads=2, nbits=4, axis="token", scale_format=fmt)
+    first = encode_warns(codec)
+    assert bool(first) == warns and all("scale_format='fp16'" in m for m in first)
+    assert encode_warns(codec) == []  # checked once per codec
+    padded = NuqCodec(page_size=32, head_dim=64, num_heads=2, nbits=4, axis="token", scale_format=fmt)
+    monkeypatch.setattr(pr, "_warned", False)
+    with warnings.catch_warnings(record=True) as w:  # all-zero tokens (padding) beside in-range ones: quiet
+        warnings.simplefilter("always")
+        x = torch.randn(1, 2, 32, 64, generator=torch.Generator().manual_seed(6))
+        x[:, :, :8] = 0.0
+        padded.encode(x, {})
+    assert not [m for m in w if "per-token scales" in str(m.message)]
+
+
 def test_scale_format_is_checked():
     with pytest.raises(Exception, match="scale_format"):
         QuantSpec(method="nuq", bits=4, axis="page", scale_format="e3m4")

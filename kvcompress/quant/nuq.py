@@ -32,7 +32,7 @@ import torch
 from kvcompress.quant.base import Codec, FieldKind, Role
 from kvcompress.quant.codebook import default_codebook, nearest_level
 from kvcompress.quant.pack import pack, packed_width, unpack
-from kvcompress.quant.page_range import as_float8, as_stored, page_range, token_scale
+from kvcompress.quant.page_range import ZERO_TOKEN, as_float8, as_stored, page_range, token_scale
 from kvcompress.quant.rotation import rotate, unrotate
 
 
@@ -161,7 +161,8 @@ class NuqCodec(Codec):
                 mask = self._outlier_mask(xf / rms.clamp_min(1e-6), out, xf)
                 keep = (~mask).float()
                 rms = ((xf.pow(2) * keep).sum(-1, keepdim=True) / keep.sum(-1, keepdim=True).clamp_min(1)).sqrt()
-            scale = token_scale(rms.clamp_min(1e-6), self.scale_format)
+            scale = token_scale(rms.clamp_min(ZERO_TOKEN), self.scale_format, check=not self._range_checked)
+            self._range_checked = True
             out["scale"] = as_stored(scale)
             u = xf / scale.float()
         out["codes"] = pack(self._nearest(u), self.nbits)

@@ -24,6 +24,7 @@ import warnings
 import torch
 
 FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+ZERO_TOKEN = 1e-6  # the floor callers clamp a per-token scale to: the scale of an all-zero token
 _warned = False
 
 
@@ -49,14 +50,23 @@ def page_range(lo: torch.Tensor, hi: torch.Tensor, fmt: str,
     return need.clamp(max=fmax).to(dtype), zero
 
 
-def token_scale(scale: torch.Tensor, fmt: str) -> torch.Tensor:
+def token_scale(scale: torch.Tensor, fmt: str, check: bool = False) -> torch.Tensor:
     """Positive per-token scales (float32) -> the storage format, rounded to nearest (the codes are then
-    taken against the stored scale, so its rounding only stretches the grid by up to half an FP8 step)."""
+    taken against the stored scale, so its rounding only stretches the grid by up to half an FP8 step).
+    FP8 scales are clamped to the format's normal range (e4m3: 2^-6 .. 448; e5m2: 2^-14 .. 57344); check:
+    warn (once per process) when some are, as `page_range` does for key ranges."""
     if fmt == "fp16":
         return scale.to(torch.float16)
     dtype = _fp8(fmt)
-    tiny = torch.finfo(dtype).smallest_normal
-    return scale.clamp(tiny, torch.finfo(dtype).max).to(dtype)
+    tiny, fmax = torch.finfo(dtype).smallest_normal, torch.finfo(dtype).max
+    live = scale[scale > ZERO_TOKEN] if check and not _warned else scale[:0]  # all-zero tokens (padding) aside
+    if live.numel():
+        lo, hi = float(live.amin()), float(live.amax())
+        if lo < tiny or hi > fmax:
+            _warn(f"per-token scales reach {lo:.3g} .. {hi:.3g}, outside {fmt}'s normal range [{tiny:g}, "
+                  f"{fmax:g}]: they are clamped, so those tokens lose precision. Use scale_format='fp16' (or "
+                  f"'e5m2', whose range is wider) for this model's values.")
+    return scale.clamp(tiny, fmax).to(dtype)
 
 
 def as_stored(t: torch.Tensor) -> torch.Tensor:
@@ -76,11 +86,12 @@ def _fp8(fmt: str) -> torch.dtype:
 
 
 def _warn_clipped(amax: float, fmt: str, fmax: float) -> None:
+    _warn(f"keys reach |x| = {amax:.1f}, beyond what {fmt} page ranges hold (zero and scale up to "
+          f"{fmax:g}): the largest are clipped. Use scale_format='fp16' for this model's keys.")
+
+
+def _warn(message: str) -> None:
     global _warned
     if not _warned:
         _warned = True
-        warnings.warn(
-            f"keys reach |x| = {amax:.1f}, beyond what {fmt} page ranges hold (zero and scale up to "
-            f"{fmax:g}): the largest are clipped. Use scale_format='fp16' for this model's keys.",
-            stacklevel=3,
-        )
+        warnings.warn(message, stacklevel=4)
