@@ -53,7 +53,8 @@ def method_spec(name: str):
     `calibrate --preset fp8` makes it (static scales per head, streams shifted per channel); "NAME-pNN": pages
     of NN tokens (nuq4-p64: the layout of the nuq4+quest-1024 preset); "NAME-fp16s": a nuq preset with its
     scales in fp16 (nuq4's are FP8, one byte); "NAME-ktok": the key outliers chosen per token
-    (outlier_scope="token"); "NAME-kpage": chosen per page."""
+    (outlier_scope="token"); "NAME-kpage": chosen per page; "NAME-vrot": values Hadamard-rotated onto a
+    Gaussian codebook."""
     import re
     from dataclasses import replace
 
@@ -65,6 +66,9 @@ def method_spec(name: str):
         if name.endswith(suffix):
             key, value, page, sinks, tail = method_spec(name.removesuffix(suffix))
             return replace(key, outlier_scope=scope), value, page, sinks, tail
+    if name.endswith("-vrot"):  # values Hadamard-rotated onto a Gaussian codebook (as nuq3 / nuq2 hold them)
+        key, value, page, sinks, tail = method_spec(name.removesuffix("-vrot"))
+        return key, replace(value, rotation=True, codebook="gaussian"), page, sinks, tail
     if name.endswith("-fp16s"):
         key, value, page, sinks, tail = method_spec(name.removesuffix("-fp16s"))
         return replace(key, scale_format="fp16"), replace(value, scale_format="fp16"), page, sinks, tail

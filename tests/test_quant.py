@@ -500,3 +500,25 @@ def test_one_byte_scales_halve_the_metadata():
         nbytes = lambda f: sum(t.numel() * t.element_size() for t in f.values())  # noqa: E731
         assert 8 * (nbytes(fw) - nbytes(fn)) / x.numel() == pytest.approx(saved)
         assert wide.bits - narrow.bits == pytest.approx(saved)
+
+
+def test_rotation_in_the_decode_dtype_is_made_once_and_follows_the_signs():
+    """The decode step's rotation (rotate_in / unrotate_in, one product in the data's dtype): the same as
+    the float32 rotation within that dtype's rounding, undone by unrotate_in, its matrix made once per
+    signs tensor and dtype, and made again when the signs change in place."""
+    from kvcompress.quant.rotation import random_signs, rotate, rotate_in, rotation_as, unrotate_in
+
+    signs = random_signs(64, 7)
+    x = torch.randn(3, 5, 64, generator=torch.Generator().manual_seed(7))
+    torch.testing.assert_close(rotate_in(x, signs), rotate(x, signs))
+    torch.testing.assert_close(unrotate_in(rotate_in(x, signs), signs), x, atol=1e-5, rtol=1e-5)
+    xb = x.to(torch.bfloat16)
+    yb = rotate_in(xb, signs)
+    assert yb.dtype == torch.bfloat16
+    torch.testing.assert_close(yb.float(), rotate(xb, signs), atol=0.02, rtol=0.01)
+    assert rotation_as(signs, torch.bfloat16) is rotation_as(signs, torch.bfloat16)
+    before = rotation_as(signs, torch.float32).clone()
+    signs[0] = -signs[0]
+    after = rotation_as(signs, torch.float32)
+    assert not torch.equal(before, after) and torch.equal(after[1:], before[1:])
+    torch.testing.assert_close(rotate_in(x, signs), rotate(x, signs))

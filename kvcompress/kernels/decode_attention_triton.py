@@ -521,9 +521,9 @@ def _stream_constants(a: StreamArgs | None, prefix: str) -> dict:
 def _rotate(x: torch.Tensor, signs: torch.Tensor | None) -> torch.Tensor:
     if signs is None:
         return x
-    from kvcompress.quant.rotation import rotate
+    from kvcompress.quant.rotation import rotate_in
 
-    return rotate(x, signs).to(x.dtype)
+    return rotate_in(x, signs)
 
 
 def decode_attention_triton(
@@ -787,9 +787,9 @@ def decode_attention_triton(
         _reduce_kernel[(b * hq,)](m_part, l_part, acc_part, out, lse, n_splits, DV=dv,
                                   SB=merge_block(n_splits))
     if value_args is not None and value_args.rotation_signs is not None:
-        from kvcompress.quant.rotation import unrotate
+        from kvcompress.quant.rotation import unrotate_in
 
-        out = unrotate(out, value_args.rotation_signs).to(q.dtype)
+        out = unrotate_in(out, value_args.rotation_signs)
     if not return_probs:
         return out, None
     probs = torch.exp2(scores - lse[..., None]).view(b, hkv, group, n_pos).sum(2)

@@ -42,3 +42,28 @@ def rotate(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
 
 def unrotate(y: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
     return y.float() @ rotation_matrix(signs).T
+
+
+def rotation_as(signs: torch.Tensor, dtype: torch.dtype, transpose: bool = False) -> torch.Tensor:
+    """rotation_matrix(signs) (or its transpose) in `dtype`, made once per signs tensor and dtype and held
+    on that tensor: a decode step over rotated streams rotates the exact parts and the output at every
+    step, each with a product and three small kernels around it (the matrix built, casts to float32 and
+    back); rotated values added about 40 us to a captured batch-1 step on an H200 (BENCHMARKS.md). Rebuilt
+    if the signs are modified in place."""
+    cache = signs.__dict__.setdefault("_kvcompress_rotations", {})
+    key = (dtype, transpose, signs._version)
+    if key not in cache:
+        r = rotation_matrix(signs)
+        cache[key] = (r.T if transpose else r).contiguous().to(dtype)
+    return cache[key]
+
+
+def rotate_in(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """rotate(x) in x's dtype (one product, accumulated in float32 by the backend) for the decode step."""
+    return x @ rotation_as(signs, x.dtype)
+
+
+def unrotate_in(y: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """unrotate(y) in y's dtype, as rotate_in."""
+    return y @ rotation_as(signs, y.dtype, transpose=True)
+
