@@ -59,9 +59,9 @@ def token_scale(scale: torch.Tensor, fmt: str, check: bool = False) -> torch.Ten
         return scale.to(torch.float16)
     dtype = _fp8(fmt)
     tiny, fmax = torch.finfo(dtype).smallest_normal, torch.finfo(dtype).max
-    live = scale[scale > ZERO_TOKEN] if check and not _warned else scale[:0]  # all-zero tokens (padding) aside
-    if live.numel():
-        lo, hi = float(live.amin()), float(live.amax())
+    if check and not _warned:
+        live = scale[scale > ZERO_TOKEN]  # all-zero tokens (padding) aside
+        lo, hi = (float(live.amin()), float(live.amax())) if live.numel() else (tiny, fmax)
         if lo < tiny or hi > fmax:
             _warn(f"per-token scales reach {lo:.3g} .. {hi:.3g}, outside {fmt}'s normal range [{tiny:g}, "
                   f"{fmax:g}]: they are clamped, so those tokens lose precision. Use scale_format='fp16' (or "

@@ -44,18 +44,19 @@ def unrotate(y: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
     return y.float() @ rotation_matrix(signs).T
 
 
-def rotation_as(signs: torch.Tensor, dtype: torch.dtype, transpose: bool = False) -> torch.Tensor:
-    """rotation_matrix(signs) (or its transpose) in `dtype`, made once per signs tensor and dtype and held
-    on that tensor: a decode step over rotated streams rotates the exact parts and the output at every
-    step, each with a product and three small kernels around it (the matrix built, casts to float32 and
-    back); rotated values added about 40 us to a captured batch-1 step on an H200 (BENCHMARKS.md). Rebuilt
-    if the signs are modified in place."""
-    cache = signs.__dict__.setdefault("_kvcompress_rotations", {})
-    key = (dtype, transpose, signs._version)
-    if key not in cache:
-        r = rotation_matrix(signs)
-        cache[key] = (r.T if transpose else r).contiguous().to(dtype)
-    return cache[key]
+def rotation_as(signs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """rotation_matrix(signs) in `dtype`, made once per signs tensor and dtype and held on that tensor: a
+    decode step over rotated streams rotates the exact parts and the output at every step, each with a
+    product and three small kernels around it (the matrix built, casts to float32 and back); rotated values
+    added about 40 us to a captured batch-1 step on an H200 (BENCHMARKS.md). Made again (and the old ones
+    dropped) if the signs are modified in place."""
+    version, by_dtype = signs.__dict__.get("_kvcompress_rotations", (None, {}))
+    if version != signs._version:
+        by_dtype = {}
+        signs.__dict__["_kvcompress_rotations"] = (signs._version, by_dtype)
+    if dtype not in by_dtype:
+        by_dtype[dtype] = rotation_matrix(signs).to(dtype)
+    return by_dtype[dtype]
 
 
 def rotate_in(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
@@ -64,6 +65,5 @@ def rotate_in(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
 
 
 def unrotate_in(y: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
-    """unrotate(y) in y's dtype, as rotate_in."""
-    return y @ rotation_as(signs, y.dtype, transpose=True)
-
+    """unrotate(y) in y's dtype, as rotate_in (the transpose is a view the product reads as it is)."""
+    return y @ rotation_as(signs, y.dtype).mT
