@@ -49,7 +49,8 @@ def eval_command(model, presets, configs, context, windows, text_file, json_out,
                  dtype="auto"):
     """Compare the uncompressed cache with presets / configs / baselines on the same text.
 
-    Prints one table: perplexity and its change vs uncompressed, passkey accuracy, KV bytes held and
+    Prints one table: perplexity and its change vs uncompressed, passkey accuracy and the answer's mean
+    log-probability (nats, teacher-forced after the prompt), KV bytes held and
     compression ratio, all-in bits per element, tokens held / read per step, ms per decode token.
     """
     from rich.console import Console

@@ -130,6 +130,30 @@ def test_passkey_found_through_uncompressed_cache(smollm2):
     assert 10000 <= trial.key <= 99999 and len(res.trials) == 1
 
 
+def test_passkey_answer_logprob_is_the_teacher_forced_one_on_both_paths(smollm2):
+    """A trial's answer log-probability equals one no-cache forward over prompt + answer (fp32), whether it
+    is read off the greedy run (the output begins with the answer) or scored by a second, teacher-forced
+    run (here forced by a greedy run too short to hold the answer)."""
+    import torch
+
+    from kvcompress.evaluation.passkey import answer_ids, passkey_prompt
+
+    model, tok = smollm2
+    kw = dict(lengths=(256,), depths=(0.5,))
+    greedy = passkey_accuracy(model, tok, lambda: DynamicCache(config=model.config), **kw).trials[0]
+    forced = passkey_accuracy(model, tok, lambda: DynamicCache(config=model.config), max_new_tokens=1, **kw).trials[0]
+    answer = answer_ids(tok, greedy.key)
+    assert greedy.found and not forced.found and len(answer) > 1
+    ids = passkey_prompt(tok, 256, 0.5, greedy.key)
+    with torch.inference_mode():
+        logits = model(torch.cat([ids, torch.tensor([answer])], 1)).logits[0].float()
+    logp = torch.log_softmax(logits[ids.shape[1] - 1 : -1], -1)  # [len(answer), V]: row i predicts answer[i]
+    oracle = float(logp[torch.arange(len(answer)), torch.tensor(answer)].sum())
+    assert oracle < 0.0
+    assert greedy.answer_logprob == pytest.approx(oracle, abs=1e-3)
+    assert forced.answer_logprob == pytest.approx(oracle, abs=1e-3)
+
+
 def test_eval_runs_sparse_presets_under_the_kvcompress_attention(smollm2):
     """A preset whose policy needs the query (Quest) or the attention weights (H2O) is evaluated inside
     `kvcompress.enabled(model)`; the model is restored after."""

@@ -2,6 +2,9 @@
 
 The classic test (Mohtashami & Jaggi 2023, "Landmark Attention", https://arxiv.org/abs/2305.16300):
 a key hidden at some depth of L tokens of filler, recovered by greedy decoding through the cache.
+Beside hit or miss, each trial scores the answer's log-probability (" " + the key, teacher-forced after
+the prompt): a small model sits at its retrieval edge, where hits flip with any perturbation, while the
+log-probability moves continuously and separates caches on fewer trials.
 """
 
 from __future__ import annotations
@@ -32,12 +35,18 @@ class PasskeyTrial:
     key: int
     output: str
     found: bool
+    answer_logprob: float  # log p(" " + key | prompt) through the cache, nats (0 = certain)
 
 
 @dataclass
 class PasskeyResult:
     accuracy: float  # fraction of trials whose key digits appear in the greedy output
     trials: list[PasskeyTrial] = field(default_factory=list)
+
+    @property
+    def mean_answer_logprob(self) -> float:
+        """Mean over trials of the answer's log-probability (nats); nan without trials."""
+        return sum(t.answer_logprob for t in self.trials) / len(self.trials) if self.trials else float("nan")
 
 
 def passkey_key(length: int, depth: float, seed: int) -> int:
@@ -88,18 +97,53 @@ def _render(tokenizer, body: str, template: Template) -> str:
     raise ValueError(f"template must be 'plain' or 'chat', got {template!r}")
 
 
+def answer_ids(tokenizer, key: int) -> list[int]:
+    """Token ids of the answer that follows the prompt's "The pass key is": " " + the key."""
+    return tokenizer(f" {key}", add_special_tokens=False).input_ids
+
+
 @torch.inference_mode()
-def greedy_continue(model, cache, ids: torch.Tensor, max_new_tokens: int) -> list[int]:
-    """Greedy decode through `cache`: prefill ids [1, N], then `max_new_tokens` steps. Returns new ids."""
+def greedy_continue(model, cache, ids: torch.Tensor, max_new_tokens: int, logprobs: list | None = None) -> list[int]:
+    """Greedy decode through `cache`: prefill ids [1, N], then `max_new_tokens` steps. Returns new ids.
+
+    logprobs: when given, receives the log-softmax [V] (float32) each new token was chosen from.
+    """
     from kvcompress.compat import with_cache
 
     out = model(ids, **with_cache(cache), logits_to_keep=1)
     new = []
-    for _ in range(max_new_tokens):
-        nxt = out.logits[:, -1].argmax(-1, keepdim=True)  # [1, 1]
+    for step in range(max_new_tokens):
+        logits = out.logits[0, -1]  # [V]
+        if logprobs is not None:
+            logprobs.append(torch.log_softmax(logits.float(), -1))
+        nxt = logits.argmax(-1).view(1, 1)
         new.append(int(nxt))
-        out = model(nxt, **with_cache(cache))
+        if step + 1 < max_new_tokens:
+            out = model(nxt, **with_cache(cache))
     return new
+
+
+@torch.inference_mode()
+def teacher_forced_logprob(model, cache, ids: torch.Tensor, answer: list[int]) -> float:
+    """log p(answer | ids) through `cache`: prefill ids [1, N], then feed the answer one token at a time
+    (as decoding would), summing the log-probability of each answer token. Nats."""
+    from kvcompress.compat import with_cache
+
+    out = model(ids, **with_cache(cache), logits_to_keep=1)
+    total = 0.0
+    for i, tok in enumerate(answer):
+        total += float(torch.log_softmax(out.logits[0, -1].float(), -1)[tok])
+        if i + 1 < len(answer):
+            out = model(ids.new_tensor([[tok]]), **with_cache(cache))
+    return total
+
+
+def _trial_logprob(new: list[int], logprobs: list, answer: list[int]) -> float | None:
+    """The answer's log-probability read off a greedy run whose first tokens are the answer (the same
+    tokens fed, so the same numbers a teacher-forced run gives); None when greedy left the answer."""
+    if new[: len(answer)] != answer:
+        return None
+    return sum(float(lp[tok]) for lp, tok in zip(logprobs, answer))
 
 
 def passkey_accuracy(
@@ -114,9 +158,11 @@ def passkey_accuracy(
     max_new_tokens: int = 8,
     on_trial: Callable[[], None] | None = None,
 ) -> PasskeyResult:
-    """Fraction of (length, depth, seed) trials whose 5-digit key appears in the greedy output.
+    """Fraction of (length, depth, seed) trials whose 5-digit key appears in the greedy output, and each
+    trial's answer log-probability.
 
-    cache_factory: zero-argument callable returning a fresh cache (one per trial).
+    cache_factory: zero-argument callable returning a fresh cache (one per trial; a trial whose greedy
+    output does not begin with the answer scores it through a second fresh cache, prefilled again).
     template: "plain" by default: with the uncompressed cache SmolLM2-135M-Instruct finds 12 of 18
     keys (lengths 1024 / 2048, depths 0.1 / 0.5 / 0.9, 3 seeds) as plain text, 9 of 18 as a chat turn.
     """
@@ -126,9 +172,13 @@ def passkey_accuracy(
             for seed in seeds:
                 key = passkey_key(length, depth, seed)
                 ids = passkey_prompt(tokenizer, length, depth, key, template).to(model.device)
-                new = greedy_continue(model, cache_factory(), ids, max_new_tokens)
+                answer, logprobs = answer_ids(tokenizer, key), []
+                new = greedy_continue(model, cache_factory(), ids, max_new_tokens, logprobs)
                 output = tokenizer.decode(new, skip_special_tokens=True)
-                trials.append(PasskeyTrial(length, depth, seed, key, output, str(key) in output))
+                logprob = _trial_logprob(new, logprobs, answer)
+                if logprob is None:
+                    logprob = teacher_forced_logprob(model, cache_factory(), ids, answer)
+                trials.append(PasskeyTrial(length, depth, seed, key, output, str(key) in output, logprob))
                 if on_trial is not None:
                     on_trial()
     accuracy = sum(t.found for t in trials) / len(trials) if trials else float("nan")

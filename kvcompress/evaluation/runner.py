@@ -28,7 +28,8 @@ from kvcompress.integration import enabled as kvcompress_enabled
 
 UNCOMPRESSED = "uncompressed"
 ROW_KEYS = (
-    "name", "kind", "context", "ppl", "nll", "ppl_delta_pct", "n_tokens", "passkey", "passkey_trials",
+    "name", "kind", "context", "ppl", "nll", "ppl_delta_pct", "n_tokens", "passkey", "passkey_logprob",
+    "passkey_trials",
     "held_bytes", "uncompressed_bytes", "compression_ratio", "bits_per_element", "tokens_held",
     "tokens_read", "bytes_read", "read_share", "ms_per_token",
 )
@@ -132,9 +133,10 @@ def evaluate(
                     )
             if passkey:
                 row["passkey"] = pk.accuracy
+                row["passkey_logprob"] = pk.mean_answer_logprob
                 row["passkey_trials"] = [
                     {"length": t.length, "depth": t.depth, "seed": t.seed, "key": t.key, "output": t.output,
-                     "found": t.found} for t in pk.trials
+                     "found": t.found, "answer_logprob": t.answer_logprob} for t in pk.trials
                 ]
             rows.append(row)
     return add_deltas(rows)
@@ -165,6 +167,7 @@ def perplexity_row(model, tokenizer, entry: CacheEntry, ids, on_step=None) -> di
         "ppl_delta_pct_windows": None,
         "n_tokens": n_tokens,
         "passkey": None,
+        "passkey_logprob": None,
         "passkey_trials": [],
         "held_bytes": memory.get("held_bytes"),
         "uncompressed_bytes": memory.get("uncompressed_bytes"),

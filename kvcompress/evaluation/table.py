@@ -8,7 +8,7 @@ import os
 from kvcompress.atomic import write_json as atomic_write_json
 from kvcompress.report import fmt_bytes
 
-COLUMNS = ("cache", "ppl", "Δppl", "passkey", "KV held", "ratio", "bits/elem", "tokens held/read", "KV read/step",
+COLUMNS = ("cache", "ppl", "Δppl", "passkey", "key log-p", "KV held", "ratio", "bits/elem", "tokens held/read", "KV read/step",
            "ms/token")
 
 
@@ -38,6 +38,7 @@ def row_cells(r: dict) -> list[str]:
         _num(r["ppl"], ".4f"),
         _delta(r),
         _num(r.get("passkey"), ".0%") if r.get("passkey") is not None else "-",
+        _num(r.get("passkey_logprob"), ".3f") if r.get("passkey_logprob") is not None else "-",
         fmt_bytes(r["held_bytes"]) if r.get("held_bytes") is not None else "n/a",
         _num(r.get("compression_ratio"), ".2f", "x"),
         _num(r.get("bits_per_element"), ".2f"),
