@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -157,10 +157,7 @@ def _preset_layers(fits: list[LayerFits], layout: ModelLayout, preset: str) -> l
     layers = []
     for i, policy in enumerate(base.layers):
         tensors = {**fits[i].spec_tensors(policy.key, "key"), **fits[i].spec_tensors(policy.value, "value")}
-        layers.append(with_fp8_scales(LayerPolicy(
-            key=policy.key, value=policy.value, page_size=policy.page_size, residual=policy.residual,
-            sinks=policy.sinks, sparsity=policy.sparsity, tensors=tensors,
-        ), fits[i]))
+        layers.append(with_fp8_scales(replace(policy, tensors=tensors), fits[i]))
     return layers
 
 

@@ -9,7 +9,7 @@ what a serving engine's FP8 cache can take (exports).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvcompress.calib.collect import LayerStats
 from kvcompress.calib.fit import fit_nuq_tensors, fp8_scales, fp8_shift_tensors
@@ -91,7 +91,4 @@ def with_fp8_scales(policy: LayerPolicy, fits: LayerFits) -> LayerPolicy:
     tensors = dict(policy.tensors)
     for stream in ("key", "value"):
         tensors[f"{stream}.fp8_scale"] = fits.fp8_scale(stream)
-    return LayerPolicy(
-        key=policy.key, value=policy.value, page_size=policy.page_size, residual=policy.residual,
-        sinks=policy.sinks, sparsity=policy.sparsity, tensors=tensors,
-    )
+    return replace(policy, tensors=tensors)

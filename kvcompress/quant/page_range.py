@@ -60,7 +60,7 @@ def token_scale(scale: torch.Tensor, fmt: str, check: bool = False) -> torch.Ten
     dtype = _fp8(fmt)
     tiny, fmax = torch.finfo(dtype).smallest_normal, torch.finfo(dtype).max
     if check and not _warned:
-        live = scale[scale > ZERO_TOKEN]  # all-zero tokens (padding) aside
+        live = scale.detach()[scale > ZERO_TOKEN]  # all-zero tokens (padding) aside
         lo, hi = (float(live.amin()), float(live.amax())) if live.numel() else (tiny, fmax)
         if lo < tiny or hi > fmax:
             _warn(f"per-token scales reach {lo:.3g} .. {hi:.3g}, outside {fmt}'s normal range [{tiny:g}, "
