@@ -49,9 +49,10 @@ def eval_command(model, presets, configs, context, windows, text_file, json_out,
                  dtype="auto"):
     """Compare the uncompressed cache with presets / configs / baselines on the same text.
 
-    Prints one table: perplexity and its change vs uncompressed, passkey accuracy and the answer's mean
-    log-probability (nats, teacher-forced after the prompt), KV bytes held and
-    compression ratio, all-in bits per element, tokens held / read per step, ms per decode token.
+    Prints one table: perplexity and its change vs uncompressed, the mean KL divergence (nats) of each
+    scored prediction from the uncompressed cache's and how often both rank the same token first, passkey
+    accuracy and the answer's mean log-probability (nats, teacher-forced after the prompt), KV bytes held
+    and compression ratio, all-in bits per element, tokens held / read per step, ms per decode token.
     """
     from rich.console import Console
 

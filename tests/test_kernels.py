@@ -64,6 +64,9 @@ SPECS = {
                             outlier_scope="token"),
                   QuantSpec(method="nuq", bits=4, axis="token", codebook="student_t5", scale_format="e5m2")),
     "nuq4-rot": (QuantSpec(method="nuq", bits=4, rotation=True), QuantSpec(method="nuq", bits=4, rotation=True)),
+    # the nuq4-vrot preset: nuq4's keys, values Hadamard-rotated onto Gaussian levels (phase kernel)
+    "nuq4-vrot": (QuantSpec(method="nuq", bits=4, axis="page", outlier_fraction=0.01, scale_format="e4m3"),
+                  QuantSpec(method="nuq", bits=4, axis="token", rotation=True, scale_format="e5m2")),
     # the nuq2 preset: keys per page range, values Hadamard-rotated on a Gaussian codebook (phase kernel)
     "nuq2-vrot": (QuantSpec(method="nuq", bits=2, axis="page", outlier_fraction=0.01, scale_format="e4m3"),
                   QuantSpec(method="nuq", bits=2, axis="token", rotation=True, scale_format="e5m2")),
@@ -310,7 +313,8 @@ def test_triton_codebook_reads(name, lut):
 
 @needs_triton
 @pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("name", ["int4", "int2", "int8", "nuq4-kout", "nuq2", "int4-vtok", "int2-vtok"])
+@pytest.mark.parametrize("name", ["int4", "int2", "int8", "nuq4-kout", "nuq2", "int4-vtok", "int2-vtok",
+                                  "nuq4-vrot"])
 def test_triton_half_operands(name, d):
     """fp16 model: integer codes enter the dots as (c | magic) read as fp16 (1024 + c), the offset taken
     back out exactly; words of 8 / 16 / 32 bits by head dim and bit width; "-vtok": both streams through the

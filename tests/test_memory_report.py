@@ -133,6 +133,52 @@ def test_nuq4_fast_is_nuq4_without_the_outlier_store():
     assert held["nuq4"] - held["nuq4-fast"] == outliers > 0
 
 
+def test_nuq4_vrot_values_code_smollm2_attention_closer(smollm2):
+    """nuq4-vrot is nuq4's policy with the values Hadamard-rotated onto Gaussian levels, holding the same
+    bytes but for the rotation's signs. On SmolLM2's own activations (1024 tokens of eval.txt, float32, the
+    keys left exact so the values' cost alone shows) the causal attention output of every layer comes out
+    closer with them: measured 2.6 dB cleaner on average, each of the 30 layers by 1.8 to 5.7 dB."""
+    import math
+    from dataclasses import replace
+
+    from kvcompress.calib.collect import record_queries
+    from kvcompress.calib.sensitivity import causal_attention, relative_error, stored
+    from kvcompress.config import KVCompressConfig, ModelLayout, QuantSpec
+    from kvcompress.evaluation import context_ids
+
+    for layout in (ModelLayout("llama", 2, 3, 64, 64, ("full_attention",) * 2),
+                   ModelLayout("deepseek_v3", 2, 1, 512, 64, ("full_attention",) * 2, attention="mla")):
+        base, vrot = (KVCompressConfig.from_preset(n, layout).layers[0] for n in ("nuq4", "nuq4-vrot"))
+        if layout.attention == "mla":  # the value slot holds the RoPE key there: nuq4's policy as it is
+            assert vrot == base
+        else:
+            assert vrot == replace(base, value=replace(base.value, rotation=True, codebook="gaussian"))
+    model, tok = smollm2
+    queries, cache = {}, DynamicCache(config=model.config)
+    with record_queries(model, lambda i, q, k, s: queries.__setitem__(i, (q.float(), s))), torch.inference_mode():
+        model(context_ids(tok, 1024), **with_cache(cache))
+    gains, held = [], {}
+    for i, layer in enumerate(cache.layers):
+        q, scaling = queries[i]
+        k, v = layer.keys.float(), layer.values.float()
+        want = causal_attention(q, k, v, scaling)
+        err = {}
+        for name in ("nuq4", "nuq4-vrot"):
+            policy = KVCompressConfig.from_preset(name, model.config).layers[i]
+            k_hat, v_hat = stored(replace(policy, key=QuantSpec()), k, v)
+            err[name] = relative_error(causal_attention(q, k_hat.float(), v_hat.float(), scaling), want)
+        gains.append(10 * math.log10(err["nuq4"] / err["nuq4-vrot"]))
+    assert min(gains) > 1.0 and sum(gains) / len(gains) > 2.0, gains
+    for name in ("nuq4", "nuq4-vrot"):
+        held[name] = CompressedCache(model.config, name)
+        for i, layer in enumerate(cache.layers):
+            held[name].update(layer.keys, layer.values, i)
+    signs = sum(t.nbytes for layer in held["nuq4-vrot"].layers for n, t, _ in layer.value_store.tensors()
+                if n == "shared.rotation_signs")
+    assert signs > 0
+    assert held["nuq4-vrot"].memory_report()["held_bytes"] - held["nuq4"].memory_report()["held_bytes"] == signs
+
+
 def test_sliding_and_full_layers():
     """Gemma3: sliding layers stay exact and bounded; the full layers compress."""
     model = make_tiny_model("gemma3")

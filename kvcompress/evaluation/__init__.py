@@ -1,9 +1,11 @@
-"""Evaluation of KV caches: perplexity through the cache, passkey retrieval, memory, decode time.
+"""Evaluation of KV caches: perplexity through the cache, KL divergence from the uncompressed cache,
+passkey retrieval, memory, decode time.
 
     from kvcompress.evaluation import evaluate, perplexity, passkey_accuracy
     rows = evaluate(model, tokenizer, presets=["fp8", "nuq4"], context=2048)
 """
 
+from kvcompress.evaluation.divergence import ReferenceLogprobs
 from kvcompress.evaluation.passkey import PasskeyResult, passkey_accuracy, passkey_prompt
 from kvcompress.evaluation.perplexity import (
     PerplexityResult,
@@ -18,6 +20,7 @@ from kvcompress.evaluation.runner import add_deltas, evaluate
 __all__ = [
     "PasskeyResult",
     "PerplexityResult",
+    "ReferenceLogprobs",
     "TextTooShortError",
     "add_deltas",
     "context_ids",

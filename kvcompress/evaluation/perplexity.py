@@ -1,7 +1,8 @@
 """Perplexity measured the way a cache is used: prefill half a text, then decode the rest token by token.
 
 The numbers of `kvcompress eval` and the calibration search come from here. Every prediction that
-counts is made by a forward pass reading the cache under test, so a lossy cache shows in the loss.
+counts is made by a forward pass reading the cache under test, so a lossy cache shows in the loss, and,
+against a recording of the uncompressed run, in the KL divergence of each prediction (divergence.py).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Callable
 
 import torch
 
+from kvcompress.evaluation.divergence import ReferenceLogprobs, kl_and_top1
 from kvcompress.evaluation.timing import StepTimer
 
 
@@ -73,6 +75,8 @@ class PerplexityResult:
     tokens_read: int | None = None  # tokens the last decode step attended to, when the cache says
     bytes_read: int | None = None  # K/V bytes the last decode step read, when the cache says
     cache: object = field(default=None, repr=False)  # the cache as it stands at the end
+    kl: float | None = None  # mean KL(reference || this cache) over the scored positions, nats (given a reference)
+    top1: float | None = None  # share of scored positions whose most likely token is the reference's
 
 
 @torch.inference_mode()
@@ -83,6 +87,8 @@ def perplexity(
     ids: torch.Tensor | str,
     *,
     on_step: Callable[[], None] | None = None,
+    record: ReferenceLogprobs | None = None,
+    reference: ReferenceLogprobs | None = None,
 ) -> PerplexityResult:
     """Perplexity of the second half of `ids` decoded through a fresh cache.
 
@@ -93,6 +99,9 @@ def perplexity(
             (e.g. `lambda: CompressedCache(model.config, "nuq4")`).
         ids: token ids [1, N] (N >= 4), or a text to tokenize whole.
         on_step: called after each decode step (progress bars).
+        record: receives the top-k log-probabilities of every scored position (the reference run).
+        reference: a recording of the same `ids` through the uncompressed cache: the result then carries the
+            mean KL divergence from it and the top-1 agreement with it (kvcompress.evaluation.divergence).
 
     Protocol: the first P = N // 2 tokens go through the cache in one prefill forward; then tokens
     P .. N-2 are fed one at a time (teacher forcing) through the same cache. Only the predictions of
@@ -112,13 +121,19 @@ def perplexity(
     prefill = n // 2
     cache = cache_factory()
 
+    if reference is not None and len(reference) != n - prefill:
+        raise ValueError(f"the reference holds {len(reference)} scored positions, these ids score "
+                         f"{n - prefill}: record it on the same ids")
+    divergence = _Divergence(record, reference)
     out = model(ids[:, :prefill], **with_cache(cache), logits_to_keep=1)
     nll = _token_nll(out.logits[:, -1], ids[:, prefill])
+    divergence.add(out.logits[0, -1])
     timer = StepTimer(ids.device)
     for t in range(prefill, n - 1):
         with timer:
             out = model(ids[:, t : t + 1], **with_cache(cache))
         nll += _token_nll(out.logits[:, -1], ids[:, t + 1])
+        divergence.add(out.logits[0, -1])
         if on_step is not None:
             on_step()
     n_tokens = n - prefill
@@ -128,8 +143,34 @@ def perplexity(
     read_bytes = cache.bytes_read_last_step() if hasattr(cache, "bytes_read_last_step") else None
     return PerplexityResult(
         nll=mean, ppl=math.exp(mean), n_tokens=n_tokens, seconds_per_step=timer.median_s,
-        memory=memory, tokens_read=read, bytes_read=read_bytes, cache=cache,
+        memory=memory, tokens_read=read, bytes_read=read_bytes, cache=cache, kl=divergence.mean_kl,
+        top1=divergence.top1_share,
     )
+
+
+class _Divergence:
+    """Records the reference's scored positions, or compares each with the reference's, in order."""
+
+    def __init__(self, record: ReferenceLogprobs | None, reference: ReferenceLogprobs | None):
+        self.record, self.reference = record, reference
+        self.kl, self.same, self.n = 0.0, 0, 0
+
+    def add(self, logits: torch.Tensor) -> None:
+        """logits [V] of the next scored position."""
+        if self.record is not None:
+            self.record.record(logits)
+        if self.reference is not None:
+            kl, same = kl_and_top1(logits, self.reference.token_ids[self.n], self.reference.logprobs[self.n])
+            self.kl, self.same = self.kl + kl, self.same + same
+        self.n += 1
+
+    @property
+    def mean_kl(self) -> float | None:
+        return self.kl / self.n if self.reference is not None and self.n else None
+
+    @property
+    def top1_share(self) -> float | None:
+        return self.same / self.n if self.reference is not None and self.n else None
 
 
 def _token_nll(logits: torch.Tensor, target: torch.Tensor) -> float:

@@ -3,7 +3,8 @@
     rows = evaluate(model, tokenizer, presets=["fp8", "nuq4"], context=2048)
 
 The uncompressed reference is transformers' `DynamicCache`; every other row's perplexity change is
-relative to it. A row is a flat dict (JSON-ready); see `ROW_KEYS`.
+relative to it, and so are its KL divergence and top-1 agreement (divergence.py), from the reference's
+recorded distributions. A row is a flat dict (JSON-ready); see `ROW_KEYS`.
 """
 
 from __future__ import annotations
@@ -22,13 +23,15 @@ from kvcompress.evaluation.baselines import (
     parse_baselines,
     tensor_memory,
 )
+from kvcompress.evaluation.divergence import ReferenceLogprobs
 from kvcompress.evaluation.passkey import passkey_accuracy
 from kvcompress.evaluation.perplexity import context_windows, perplexity
 from kvcompress.integration import enabled as kvcompress_enabled
 
 UNCOMPRESSED = "uncompressed"
 ROW_KEYS = (
-    "name", "kind", "context", "ppl", "nll", "ppl_delta_pct", "n_tokens", "passkey", "passkey_logprob",
+    "name", "kind", "context", "ppl", "nll", "ppl_delta_pct", "kl_divergence", "top1_agreement", "n_tokens",
+    "passkey", "passkey_logprob",
     "passkey_trials",
     "held_bytes", "uncompressed_bytes", "compression_ratio", "bits_per_element", "tokens_held",
     "tokens_read", "bytes_read", "read_share", "ms_per_token",
@@ -114,7 +117,7 @@ def evaluate(
     entries = cache_entries(model, presets, configs, baselines, include_uncompressed, log)
     n_steps = len(entries) * windows * (context - context // 2 - 1)
     n_trials = len(entries) * len(passkey_lengths) * len(passkey_depths) * len(passkey_seeds) if passkey else 0
-    rows = []
+    rows, references = [], None
     with _progress(progress) as bar:
         task = bar.add_task("evaluating", total=n_steps + n_trials) if bar else None
         advance = (lambda: bar.advance(task)) if bar else None
@@ -123,7 +126,11 @@ def evaluate(
             with scope:
                 if bar:
                     bar.update(task, description=f"{entry.name}: perplexity")
-                row = perplexity_row(model, tokenizer, entry, ids, on_step=advance)
+                if entry.kind == "uncompressed":  # the reference whose distributions the others are held to
+                    references = [ReferenceLogprobs() for _ in ids]
+                    row = perplexity_row(model, tokenizer, entry, ids, on_step=advance, record=references)
+                else:
+                    row = perplexity_row(model, tokenizer, entry, ids, on_step=advance, reference=references)
                 if passkey:
                     if bar:
                         bar.update(task, description=f"{entry.name}: passkey")
@@ -142,14 +149,30 @@ def evaluate(
     return add_deltas(rows)
 
 
-def perplexity_row(model, tokenizer, entry: CacheEntry, ids, on_step=None) -> dict:
+def perplexity_row(model, tokenizer, entry: CacheEntry, ids, on_step=None,
+                   record: list[ReferenceLogprobs] | None = None,
+                   reference: list[ReferenceLogprobs] | None = None) -> dict:
     """One row from perplexity runs over the windows `ids` (a [1, N] tensor or a list of them): quality
-    over all their scored tokens, per-window perplexities, memory at the end of the last, decode time."""
+    over all their scored tokens, per-window perplexities, memory at the end of the last, decode time.
+    record: one ReferenceLogprobs per window to fill (the row is then the reference: KL 0, top-1 1);
+    reference: the recordings to hold this row's distributions to (KL divergence, top-1 agreement)."""
     windows = [ids] if isinstance(ids, torch.Tensor) else list(ids)
-    runs = [perplexity(model, tokenizer, entry.factory, w, on_step=on_step) for w in windows]
+    runs = [
+        perplexity(model, tokenizer, entry.factory, w, on_step=on_step,
+                   record=record[i] if record is not None else None,
+                   reference=reference[i] if reference is not None else None)
+        for i, w in enumerate(windows)
+    ]
     res = runs[-1]
     n_tokens = sum(r.n_tokens for r in runs)
     nll = sum(r.nll * r.n_tokens for r in runs) / n_tokens
+    kl = top1 = kl_windows = None
+    if record is not None:
+        kl, top1, kl_windows = 0.0, 1.0, [0.0] * len(runs)
+    elif reference is not None:
+        kl = sum(r.kl * r.n_tokens for r in runs) / n_tokens
+        top1 = sum(r.top1 * r.n_tokens for r in runs) / n_tokens
+        kl_windows = [r.kl for r in runs]
     memory = res.memory if res.memory is not None else tensor_memory(res.cache, model.config)
     memory = memory or {}
     held = memory.get("tokens_held")
@@ -165,6 +188,9 @@ def perplexity_row(model, tokenizer, entry: CacheEntry, ids, on_step=None) -> di
         "ppl_windows": [r.ppl for r in runs],
         "ppl_delta_pct": None,
         "ppl_delta_pct_windows": None,
+        "kl_divergence": kl,
+        "kl_divergence_windows": kl_windows,
+        "top1_agreement": top1,
         "n_tokens": n_tokens,
         "passkey": None,
         "passkey_logprob": None,

@@ -8,8 +8,8 @@ import os
 from kvcompress.atomic import write_json as atomic_write_json
 from kvcompress.report import fmt_bytes
 
-COLUMNS = ("cache", "ppl", "Δppl", "passkey", "key log-p", "KV held", "ratio", "bits/elem", "tokens held/read", "KV read/step",
-           "ms/token")
+COLUMNS = ("cache", "ppl", "Δppl", "KL", "top-1", "passkey", "key log-p", "KV held", "ratio", "bits/elem",
+           "tokens held/read", "KV read/step", "ms/token")
 
 
 def _num(x, fmt: str, suffix: str = "") -> str:
@@ -37,6 +37,8 @@ def row_cells(r: dict) -> list[str]:
         r["name"],
         _num(r["ppl"], ".4f"),
         _delta(r),
+        _num(r.get("kl_divergence"), ".2e") if r.get("kl_divergence") is not None else "-",
+        _num(r.get("top1_agreement"), ".1%") if r.get("top1_agreement") is not None else "-",
         _num(r.get("passkey"), ".0%") if r.get("passkey") is not None else "-",
         _num(r.get("passkey_logprob"), ".3f") if r.get("passkey_logprob") is not None else "-",
         fmt_bytes(r["held_bytes"]) if r.get("held_bytes") is not None else "n/a",
