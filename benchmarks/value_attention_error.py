@@ -1,7 +1,8 @@
 """What a value codec costs attention, layer by layer, on SmolLM2-135M's own activations (CPU).
 
 One forward of the uncompressed model over a window of eval.txt (and a passkey prompt) records every
-layer's queries (the last NQ positions), keys and values through a recording attention implementation.
+layer's queries (the calibration's scoped recorder, `record_queries`; the last NQ positions are scored) and
+its keys and values (the DynamicCache it filled).
 Each value variant then codes the layer's body (the tokens after 4 sinks and before a 16-token tail, the
 nuq4 preset's exact parts) and attention is re-run with the exact keys and softmax weights: the output's
 error energy over its energy is the codec's cost to attention, per layer, with nothing compounding through
@@ -29,10 +30,12 @@ import math
 from dataclasses import replace
 
 import torch
-from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers import DynamicCache
 
 import kvcompress
+from kvcompress.calib.collect import record_queries
+from kvcompress.calib.sensitivity import relative_error
+from kvcompress.compat import with_cache
 from kvcompress.config import KVCompressConfig, QuantSpec
 from kvcompress.evaluation.passkey import passkey_key, passkey_prompt
 from kvcompress.evaluation.perplexity import context_ids
@@ -40,12 +43,17 @@ from kvcompress.quant.factory import make_codec
 
 NQ = 64  # query positions scored per layer: the window's last ones, which see the whole body
 SINKS, TAIL, PAGE = 4, 16, 32  # the nuq4 preset's exact parts and page size
-_recorded: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
 
-def _recording_attention(module, query, key, value, attention_mask, **kwargs):
-    _recorded.append((query[:, :, -NQ:].detach().float(), key.detach().float(), value.detach().float()))
-    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+def record(model, ids) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]]:
+    """Per layer: queries of the last NQ positions [1, Hq, NQ, D], keys and values [1, H, T, D] (float32), and
+    the attention scaling, from one uncompressed forward over ids [1, T]."""
+    queries, cache = {}, DynamicCache(config=model.config)
+    sink = lambda i, q, k, s: queries.__setitem__(i, (q[:, :, -NQ:].float(), s))  # noqa: E731
+    with record_queries(model, sink), torch.inference_mode():
+        model(ids, **with_cache(cache))
+    return [(queries[i][0], layer.keys.float(), layer.values.float(), queries[i][1])
+            for i, layer in enumerate(cache.layers)]
 
 
 def variants(model_config, config_files=()) -> dict[str, tuple[QuantSpec, list[dict]]]:
@@ -81,11 +89,11 @@ def layer_errors(model_config, records, dtype, config_files=()) -> dict[str, lis
     coded from its `dtype` copy, as the model hands it over."""
     out: dict[str, list[tuple[float, float]]] = {}
     specs = variants(model_config, config_files)
-    for li, (q, k, v) in enumerate(records):
+    for li, (q, k, v, scaling) in enumerate(records):
         t = k.shape[2]
         n = (t - SINKS - TAIL) // PAGE * PAGE
         g = q.shape[1] // k.shape[1]
-        s = q @ k.repeat_interleave(g, 1).transpose(-1, -2) / math.sqrt(q.shape[-1])
+        s = q @ k.repeat_interleave(g, 1).transpose(-1, -2) * scaling
         future = torch.arange(t)[None, :] > torch.arange(t - NQ, t)[:, None]
         p = s.masked_fill(future, float("-inf")).softmax(-1)
         want = p @ v.repeat_interleave(g, 1)
@@ -96,7 +104,7 @@ def layer_errors(model_config, records, dtype, config_files=()) -> dict[str, lis
             bias = float(e.mean(2).pow(2).mean().sqrt() / e.pow(2).mean().sqrt())
             vq = torch.cat([v[:, :, :SINKS], vh, v[:, :, SINKS + n:]], 2)
             got = p @ vq.repeat_interleave(g, 1)
-            out.setdefault(name, []).append((float((got - want).pow(2).sum() / want.pow(2).sum()), bias))
+            out.setdefault(name, []).append((relative_error(got, want), bias))
     return out
 
 
@@ -112,18 +120,15 @@ def main():
                     help="also a saved config's value codec (repeatable)")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
-    AttentionInterface.register("kvc_record", _recording_attention)
     model, tok = kvcompress.load_model("smollm2-135m", dtype=dtype)
-    model.set_attn_implementation("kvc_record")
     texts = {"eval.txt": context_ids(tok, args.length),
              "passkey": passkey_prompt(tok, args.length, 0.5, passkey_key(args.length, 0.5, 0))}
     for text, ids in texts.items():
-        _recorded.clear()
-        with torch.inference_mode():
-            model(ids)
-        errs = layer_errors(model.config, list(_recorded), dtype, args.config)
+        records = record(model, ids)
+        errs = layer_errors(model.config, records, dtype, args.config)
         print(f"\n{text}, {ids.shape[1]} tokens, {args.dtype}: attention output SNR (dB, of the relative "
-              f"error energy averaged over the {len(_recorded)} layers) and per-channel bias (mean over layers)")
+              f"error energy averaged over the {len(records)} layers) and per-channel bias (mean over "
+              "layers)")
         print("| variant | SNR | bias | per layer vs nuq4 (dB, layers 0..29) |")
         print("|---|---|---|---|")
         base = errs["nuq4"]

@@ -155,16 +155,18 @@ def test_nuq4_vrot_values_code_smollm2_attention_closer(smollm2):
             assert vrot == replace(base, value=replace(base.value, rotation=True, codebook="gaussian"))
     model, tok = smollm2
     queries, cache = {}, DynamicCache(config=model.config)
-    with record_queries(model, lambda i, q, k, s: queries.__setitem__(i, (q.float(), s))), torch.inference_mode():
+    sink = lambda i, q, k, s: queries.__setitem__(i, (q.float(), s))  # noqa: E731
+    with record_queries(model, sink), torch.inference_mode():
         model(context_ids(tok, 1024), **with_cache(cache))
     gains, held = [], {}
+    configs = {n: KVCompressConfig.from_preset(n, model.config) for n in ("nuq4", "nuq4-vrot")}
     for i, layer in enumerate(cache.layers):
         q, scaling = queries[i]
         k, v = layer.keys.float(), layer.values.float()
         want = causal_attention(q, k, v, scaling)
         err = {}
         for name in ("nuq4", "nuq4-vrot"):
-            policy = KVCompressConfig.from_preset(name, model.config).layers[i]
+            policy = configs[name].layers[i]
             k_hat, v_hat = stored(replace(policy, key=QuantSpec()), k, v)
             err[name] = relative_error(causal_attention(q, k_hat.float(), v_hat.float(), scaling), want)
         gains.append(10 * math.log10(err["nuq4"] / err["nuq4-vrot"]))
@@ -176,7 +178,8 @@ def test_nuq4_vrot_values_code_smollm2_attention_closer(smollm2):
     signs = sum(t.nbytes for layer in held["nuq4-vrot"].layers for n, t, _ in layer.value_store.tensors()
                 if n == "shared.rotation_signs")
     assert signs > 0
-    assert held["nuq4-vrot"].memory_report()["held_bytes"] - held["nuq4"].memory_report()["held_bytes"] == signs
+    nuq4_bytes, vrot_bytes = (held[n].memory_report()["held_bytes"] for n in ("nuq4", "nuq4-vrot"))
+    assert vrot_bytes - nuq4_bytes == signs
 
 
 def test_sliding_and_full_layers():
