@@ -17,7 +17,7 @@ Sliding-window layers always stay exact (they are bounded already). Quantization
   `nuq4-fast` preset"). Models with sharper per-token key spikes may need nuq4's outliers: compare the two
   with `kvcompress eval -p nuq4 -p nuq4-fast` on your model.
 - nuq4-vrot: nuq4 with its values Hadamard-rotated onto the Gaussian codebook, as nuq3 / nuq2 hold them:
-  the same bits, attention outputs 1.5-5.7 dB cleaner per layer on SmolLM2 and better long-context
+  the same bits, attention outputs 0.7-7.4 dB cleaner per layer on SmolLM2 and better long-context
   retrieval (BENCHMARKS.md); calibration has no levels to fit on such values.
 - nuq4-rot: randomized Hadamard rotation then a per-token Gaussian codebook (TurboQuant), no outliers.
 - k8v4: FP8 keys with nuq4 values.
@@ -159,7 +159,7 @@ PRESETS: dict[str, LayerFn] = {
     "nuq2": _nuq(2),
     "nuq4-fast": _nuq(4, outliers=0.0),
     # nuq4 with its values Hadamard-rotated onto the Gaussian levels, same bits. On SmolLM2 in bf16
-    # (BENCHMARKS.md, "What a value codec costs attention"): every layer's attention output 1.5-5.7 dB
+    # (BENCHMARKS.md, "What a value codec costs attention"): every layer's attention output 0.7-7.4 dB
     # cleaner, the KL divergence from the uncompressed cache 28 % lower over 4 windows of 1024, the passkey
     # answer's log-probability at 4096 tokens 0.18 nats under the uncompressed cache's instead of 0.51 (20
     # paired trials). Not yet nuq4 itself: calibration fits nothing on rotated values, and the fused kernels'
