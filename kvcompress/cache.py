@@ -9,7 +9,8 @@ Each full-attention layer keeps, per stream (keys, values), three parts in token
 tokens in the model dtype: the partly filled page plus the residual window R). New tokens join
 the tail; whenever the tail holds R + P tokens or more, its oldest whole pages are encoded into the
 body, so nothing stored is ever re-quantized. `update()` returns the dense K/V for any attention
-implementation; the `kvcompress` attention reads the parts directly.
+implementation (a prefill chunk's own tokens exact, the tokens held before it as stored); the `kvcompress`
+attention reads the parts directly, to the same effect.
 Sliding-window layers keep transformers' bounded sliding layer (exact, never more than W tokens).
 """
 
@@ -96,7 +97,13 @@ class CompressedLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Append new tokens [B, H, q, D]; return the dense K, V [B, H, held, D] the attention consumes."""
+        """Append new tokens [B, H, q, D]; return the dense K, V [B, H, held, D] the attention consumes.
+
+        A prefill chunk (q > 1) gets the tokens held before it decoded and its own q tokens exact, as they
+        were computed (what transformers' QuantizedCache and KIVI do): compression costs the tokens that come
+        later, never the prompt's own forward. Attending a long prompt over its own compressed K/V compounds
+        the error through the layers (nuq4 at 4096 tokens: 20x the passkey log-probability loss, BENCHMARKS).
+        A decode step's token sits in the exact tail (residual >= 1) either way."""
         if self.static is not None:  # a captured decode step: fixed addresses, lengths on the device
             return self.static.update(key_states, value_states)
         if not self.is_initialized:
@@ -109,8 +116,14 @@ class CompressedLayer(CacheLayerMixin):
             k, v = self.tail_k, self.tail_v
         else:
             self.append(key_states, value_states)
-            # a fused decode step reads the packed parts itself: the new token is only a placeholder
-            k, v = (key_states, value_states) if defers_dense(self, key_states) else self.dense()
+            # a fused step reads the packed parts itself: the new tokens are only a placeholder
+            if defers_dense(self, key_states):
+                k, v = key_states, value_states
+            else:
+                k, v = self.dense()
+                if key_states.shape[2] > 1:  # a prefill chunk attends to its own tokens as computed
+                    k[:, :, -key_states.shape[2]:] = key_states
+                    v[:, :, -value_states.shape[2]:] = value_states
         if self.sparse is not None:  # the kvcompress attention (or the absorbed MLA forward) reads the step
             # an MLA token's key is its latent and RoPE key together: Quest summarises both parts
             new_keys = torch.cat([key_states, value_states], -1) if self.mla_latent else key_states

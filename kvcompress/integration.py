@@ -54,7 +54,7 @@ def kvcompress_attention(module, query, key, value, attention_mask, scaling=None
     deferred = take_deferred(key)  # a fused decode step: `key` is only the new token
     if layer is None:
         if deferred is not None:
-            return attend_layer(query, deferred, scaling).transpose(1, 2).contiguous(), None
+            return attend_layer(query, deferred, scaling, key, value).transpose(1, 2).contiguous(), None
         return _dense_attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
     begin_sparse_step(layer, query, key, attention_mask, scaling, deferred is not None)
     backend = getattr(module, "_kvcompress_backend", None) or _backend("torch")

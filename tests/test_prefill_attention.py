@@ -8,12 +8,16 @@ What these prove:
 - under `kvcompress.enable` with the fused backend a prefill chunk of a compressed layer is deferred:
   the layer never decodes its dense K/V (`dense()` is not called), the chunk runs `prefill_attention`,
   and the model's logits equal the drop-in path's (1e-4 absolute, as in test_kernel_integration);
+- a prefill chunk attends to its own K/V exactly, the tokens held before it as stored: `update` returns that,
+  `prefill_attention(chunk=...)` reads it (the chunk split into blocks too), and a one-chunk prompt gives
+  DynamicCache's logits through an int2 cache on every path;
 - Quest layers (nothing evicted, no prefill scores) prefill the same way and give the torch path's logits;
   H2O layers keep the dense prefill (their policy scores it).
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 
 import pytest
@@ -31,9 +35,13 @@ from conftest import make_tiny_model
 TOL = 1e-5
 
 
-def reference(query, layer, scaling, row_starts=None):
-    """Causal attention over layer.dense() in float32, GQA by repeating K/V."""
+def reference(query, layer, scaling, row_starts=None, chunk=None):
+    """Causal attention over layer.dense() in float32, GQA by repeating K/V; chunk: exact (K, V) of the newest
+    positions, read in place of their stored form."""
     k, v = layer.dense()
+    if chunk is not None:
+        n = chunk[0].shape[2]
+        k, v = torch.cat([k[:, :, :-n], chunk[0]], 2), torch.cat([v[:, :, :-n], chunk[1]], 2)
     b, hq, q, _ = query.shape
     g = hq // k.shape[1]
     k, v = k.float().repeat_interleave(g, 1), v.float().repeat_interleave(g, 1)
@@ -82,6 +90,44 @@ def test_equals_causal_attention_over_the_dense_cache(preset, budget):
         got = prefill_attention(query, layer, 0.125, row_starts, budget=budget)
         assert got.shape == want.shape
         assert (got - want).abs().max() <= TOL * want.abs().max(), (got - want).abs().max()
+
+
+def layer_and_last_chunk(preset, chunks, seed=0):
+    """filled_layer's layer after `chunks` tokens, and the exact (K, V) [3, 2, n, 64] of the last chunk."""
+    layer = filled_layer(preset, chunks[:-1], seed=seed)
+    g = torch.Generator().manual_seed(seed + 100)
+    k = torch.randn(3, 2, chunks[-1], 64, generator=g) * (1 + 4 * (torch.rand(64, generator=g) > 0.9))
+    v = torch.randn(3, 2, chunks[-1], 64, generator=g)
+    return layer, (k, v), layer.update(k, v)
+
+
+@pytest.mark.parametrize("preset", ["int2", "nuq4"])
+def test_update_gives_a_prefill_chunk_its_own_tokens_exact(preset):
+    """The drop-in path: a chunk of q > 1 tokens gets the tokens held before it as stored and its own q
+    tokens as computed, though the layer stores them compressed (pages of the chunk went to the body)."""
+    layer, (k, v), (got_k, got_v) = layer_and_last_chunk(preset, [3, 70, 41])
+    dense_k, dense_v = layer.dense()
+    assert layer.key_store.n_tokens > 73 - 3  # some of the chunk's tokens were encoded
+    assert torch.equal(got_k[:, :, -41:], k) and torch.equal(got_v[:, :, -41:], v)
+    assert torch.equal(got_k[:, :, :-41], dense_k[:, :, :-41])
+    assert torch.equal(got_v[:, :, :-41], dense_v[:, :, :-41])
+    assert not torch.equal(dense_k[:, :, -41:], k)  # what later steps read is the compressed form
+
+
+@pytest.mark.parametrize("preset, budget", [("int2", None), ("nuq4", None), ("fp8", None), ("int4", 48)])
+def test_a_given_chunk_is_attended_exactly(preset, budget):
+    """prefill_attention(chunk=...) equals attention over the held-before tokens as stored and the chunk exact
+    (the drop-in path's input), the chunk in blocks of the budget too; it differs from reading the chunk as
+    stored."""
+    layer, chunk, _ = layer_and_last_chunk(preset, [3, 70, 41])
+    query = torch.randn(3, 6, 41, 64, generator=torch.Generator().manual_seed(7))
+    starts = torch.tensor([0, 5, 90], dtype=torch.int32)
+    for row_starts in (None, starts):
+        want = reference(query, layer, 0.125, row_starts, chunk=chunk)
+        got = prefill_attention(query, layer, 0.125, row_starts, budget=budget, chunk=chunk)
+        assert (got - want).abs().max() <= TOL * want.abs().max(), (got - want).abs().max()
+        stored = prefill_attention(query, layer, 0.125, row_starts, budget=budget)
+        assert (stored - want).abs().max() > 100 * TOL * want.abs().max()
 
 
 def test_small_budget_reads_many_blocks_and_row_passes(monkeypatch):
@@ -145,6 +191,37 @@ def test_enabled_prefill_is_deferred_and_equals_the_drop_in_path(preset, monkeyp
     assert not dense_calls  # the dense K/V was never built
     assert cache.layers[0].key_store.n_pages > 0
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-3)
+
+
+@pytest.mark.parametrize("kernels", [None, "torch", "triton"])
+def test_a_one_chunk_prompt_gives_the_uncompressed_logits(kernels, monkeypatch):
+    """A prompt prefilled in one chunk attends to its exact K/V whatever the cache stores: int2 gives
+    DynamicCache's logits (bit-identical on the drop-in path, within the online softmax's rounding on the
+    fused one), and the next chunk, which reads the int2 cache, does not."""
+    if kernels == "triton" and not triton_available():
+        pytest.skip("needs Triton (its interpreter on CPU)")
+    from transformers import DynamicCache
+
+    model = make_tiny_model("llama", hidden_size=384, num_attention_heads=6, num_key_value_heads=2,
+                            head_dim=64, intermediate_size=256, num_hidden_layers=2)
+    ids = torch.randint(3, 256, (2, 90), generator=torch.Generator().manual_seed(5))
+
+    def run(cache):
+        with torch.no_grad(), (kvcompress.enabled(model) if kernels else contextlib.nullcontext()):
+            a = model(ids[:, :70], **with_cache(cache)).logits
+            return a, model(ids[:, 70:], **with_cache(cache)).logits
+
+    if kernels:
+        monkeypatch.setenv("KVCOMPRESS_KERNELS", kernels)
+    want_a, want_b = run(DynamicCache(config=model.config))
+    cache = CompressedCache(model.config, small_pages("int2", model.config))
+    got_a, got_b = run(cache)
+    assert cache.layers[1].key_store.n_pages >= 7  # the prompt is stored in int2 pages
+    if kernels == "triton":
+        torch.testing.assert_close(got_a, want_a, atol=1e-5, rtol=1e-5)
+    else:
+        assert torch.equal(got_a, want_a)
+    assert (got_b - want_b).abs().max() > 1e-3
 
 
 @needs_triton

@@ -164,14 +164,16 @@ def take_deferred(key: torch.Tensor):
 
 
 # -- the attention itself ----------------------------------------------------------------------------
-def attend_layer(query: torch.Tensor, layer, scaling: float) -> torch.Tensor:
+def attend_layer(query: torch.Tensor, layer, scaling: float, key=None, value=None) -> torch.Tensor:
     """Attention of a deferred dense (not sparse) layer: query [B, Hq, q, D] -> [B, Hq, q, Dv]; the fused
-    kernel for a decode step (q = 1), `prefill_attention` for a prefill chunk."""
+    kernel for a decode step (q = 1), `prefill_attention` for a prefill chunk, whose own K/V
+    [B, H, q, D] (what the deferred update returned) it attends to exactly, as the drop-in path does."""
     row_starts = getattr(_local, "row_starts", None)
     if query.shape[2] > 1:
         from kvcompress.kernels.prefill_attention import prefill_attention
 
-        return prefill_attention(query, layer, scaling, row_starts)
+        chunk = None if key is None else (key, value)
+        return prefill_attention(query, layer, scaling, row_starts, chunk=chunk)
     from kvcompress.kernels.decode_attention import layer_decode_attention
 
     out, _ = layer_decode_attention(layer, query[:, :, 0], scaling, backend="triton", row_starts=row_starts)
@@ -190,10 +192,12 @@ def attend_fused(query: torch.Tensor, layer, scaling: float, deferred: bool = Fa
 
     if not deferred:
         return attend_torch(query, layer, scaling)
-    if query.shape[2] > 1:  # a deferred prefill chunk (Quest reads everything at prefill)
+    if query.shape[2] > 1:  # a deferred prefill chunk (Quest reads everything at prefill), its own K/V exact
         from kvcompress.kernels.prefill_attention import prefill_attention
 
-        return prefill_attention(query, layer, scaling, getattr(_local, "row_starts", None)), None
+        step = layer.sparse.step  # a deferred step's keys / values are the chunk update() returned
+        starts = getattr(_local, "row_starts", None)
+        return prefill_attention(query, layer, scaling, starts, chunk=(step.keys, step.values)), None
     from kvcompress.kernels.decode_attention import layer_decode_attention
 
     step = layer.sparse.step

@@ -10,7 +10,10 @@ GQA group share their kv head's block (never repeated). Transient memory is boun
 elements, whatever the context.
 
 Shapes: query [B, Hq, q, Dk] holds the newest q held positions (the chunk just appended), Hq a multiple
-of Hkv (query heads h*G .. h*G+G-1 read kv head h); out [B, Hq, q, Dv] in query.dtype. Causal: query
+of Hkv (query heads h*G .. h*G+G-1 read kv head h); out [B, Hq, q, Dv] in query.dtype. chunk: the
+chunk's own K [B, Hkv, q, Dk] and V [B, Hkv, q, Dv] as computed; given, the chunk attends to them exactly
+and to the tokens held before it as stored (what `CompressedLayer.update` returns for a prefill chunk);
+None reads every position from the store. Causal: query
 position i sees held positions <= i. row_starts [B]: left padding (positions before a row's start are
 not attended; query rows that see nothing give 0).
 
@@ -34,10 +37,12 @@ def prefill_attention(
     scaling: float,
     row_starts: torch.Tensor | None = None,
     budget: int | None = None,
+    chunk: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Causal attention of the newest q held positions over a CompressedLayer's held tokens.
 
-    query [B, Hq, q, Dk] -> [B, Hq, q, Dv]; budget: score elements per block (default by device)."""
+    query [B, Hq, q, Dk] -> [B, Hq, q, Dv]; budget: score elements per block (default by device); chunk:
+    (K [B, Hkv, q, Dk], V [B, Hkv, q, Dv]) of the newest q positions, read instead of their stored form."""
     b, hq, q, _ = query.shape
     hkv = layer.sink_k.shape[1]
     if hq % hkv:
@@ -62,7 +67,7 @@ def prefill_attention(
     acc = torch.zeros(b, hkv, rows, dv, device=dev)
     starts = None if row_starts is None else row_starts.to(dev).view(b, 1, 1, 1)
     with _tf32(query.dtype):
-        for k, v, first in _blocks(layer, block):
+        for k, v, first in _blocks(layer, block, held - q if chunk is not None else held, chunk):
             k, v = k.float(), v.float()
             k_pos = first + torch.arange(k.shape[2], device=dev)  # [n]
             for r0 in range(0, rows, row_chunk):
@@ -83,9 +88,23 @@ def prefill_attention(
     return out.reshape(b, hq, q, dv).to(query.dtype)
 
 
-def _blocks(layer, block: int):
-    """(K [B, H, n, Dk], V [B, H, n, Dv], position of the first) for the sinks, the body in blocks of
-    `block` tokens (whole pages, decoded one block at a time) and the tail."""
+def _blocks(layer, block: int, limit: int, chunk=None):
+    """(K [B, H, n, Dk], V [B, H, n, Dv], position of the first) for the held positions below `limit` as
+    stored (sinks, the body in blocks of `block` tokens decoded one block at a time, tail), then `chunk`
+    (the positions from `limit` on, exact) when given."""
+    for k, v, first in _stored_blocks(layer, block):
+        if first >= limit:
+            break
+        n = min(k.shape[2], limit - first)
+        yield k[:, :, :n], v[:, :, :n], first
+    if chunk is not None:  # in blocks too: a whole prompt's chunk would overrun the score budget
+        for i in range(0, chunk[0].shape[2], block):
+            yield chunk[0][:, :, i:i + block], chunk[1][:, :, i:i + block], limit + i
+
+
+def _stored_blocks(layer, block: int):
+    """(K, V, position of the first) for the sinks, the body in blocks of `block` tokens (whole pages) and
+    the tail, as stored."""
     n_sink = layer.sink_k.shape[2]
     if n_sink:
         yield layer.sink_k, layer.sink_v, 0
