@@ -6,7 +6,8 @@ returns the new token itself as a placeholder and the layer is marked *deferred*
 attention then takes the mark (`take_deferred`) and runs `layer_decode_attention` over the packed
 parts (sinks | packed body | tail). A prefill chunk of a layer without a sparsity policy, or with Quest,
 is deferred the same way and runs `prefill_attention` (kvcompress.kernels.prefill_attention: a block of
-pages at a time, so no dense copy of the cache is ever held); the other sparse layers (H2O, SnapKV,
+pages at a time, so no dense copy of the cache is ever held; the chunk's own K/V, which `update()` returned
+as the placeholder, read exactly, as the drop-in path reads them); the other sparse layers (H2O, SnapKV,
 StreamingLLM) prefill over the dense K/V, since their policies score or reorder the prefill.
 
 A step is deferred only inside a forward of a model enabled with the fused backend
