@@ -165,7 +165,8 @@ def take_deferred(key: torch.Tensor):
 
 
 # -- the attention itself ----------------------------------------------------------------------------
-def attend_layer(query: torch.Tensor, layer, scaling: float, key=None, value=None) -> torch.Tensor:
+def attend_layer(query: torch.Tensor, layer, scaling: float, key: torch.Tensor, value: torch.Tensor
+                 ) -> torch.Tensor:
     """Attention of a deferred dense (not sparse) layer: query [B, Hq, q, D] -> [B, Hq, q, Dv]; the fused
     kernel for a decode step (q = 1), `prefill_attention` for a prefill chunk, whose own K/V
     [B, H, q, D] (what the deferred update returned) it attends to exactly, as the drop-in path does."""
@@ -173,8 +174,7 @@ def attend_layer(query: torch.Tensor, layer, scaling: float, key=None, value=Non
     if query.shape[2] > 1:
         from kvcompress.kernels.prefill_attention import prefill_attention
 
-        chunk = None if key is None else (key, value)
-        return prefill_attention(query, layer, scaling, row_starts, chunk=chunk)
+        return prefill_attention(query, layer, scaling, row_starts, chunk=(key, value))
     from kvcompress.kernels.decode_attention import layer_decode_attention
 
     out, _ = layer_decode_attention(layer, query[:, :, 0], scaling, backend="triton", row_starts=row_starts)
