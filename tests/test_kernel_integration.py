@@ -82,10 +82,10 @@ class KernelSpy:
         monkeypatch.setattr(mod, "decode_attention_triton", spy)
 
 
-def generate(model, prompt, kv_config, backend_env, monkeypatch, attention_mask=None):
+def generate(model, prompt, kv_config, backend_env, monkeypatch, attention_mask=None, mode=torch.no_grad):
     monkeypatch.setenv("KVCOMPRESS_KERNELS", backend_env)
     cache = CompressedCache(model.config, kv_config)
-    with torch.no_grad(), kvcompress.enabled(model):
+    with mode(), kvcompress.enabled(model):
         out = model.generate(
             prompt, attention_mask=attention_mask, max_new_tokens=NEW, do_sample=False,
             return_dict_in_generate=True, output_logits=True, **with_cache(cache),
@@ -102,6 +102,20 @@ def test_fused_generation_matches_torch(model, prompt, preset, monkeypatch):
     decode_steps = NEW - 1  # the first new token comes from the prefill
     assert spy.calls == decode_steps * model.config.num_hidden_layers, "every decode step must run the kernel"
     assert spy.with_body == spy.calls, "the kernel must read packed pages, not only the exact tail"
+    assert torch.equal(tokens, ref_tokens)
+    torch.testing.assert_close(logits, ref_logits, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("preset", ["nuq3", "nuq4-vrot"])
+def test_fused_generation_under_inference_mode(model, prompt, preset, monkeypatch):
+    """Under torch.inference_mode() (how `kvcompress eval` runs) every tensor the cache makes, the value
+    rotation's signs included, is an inference tensor: the fused path still runs every decode step and gives
+    the torch path's tokens and logits (no_grad)."""
+    cfg = tiny_pages(model, preset)
+    ref_tokens, ref_logits = generate(model, prompt, cfg, "torch", monkeypatch)
+    spy = KernelSpy(monkeypatch)
+    tokens, logits = generate(model, prompt, cfg, "triton", monkeypatch, mode=torch.inference_mode)
+    assert spy.calls == (NEW - 1) * model.config.num_hidden_layers
     assert torch.equal(tokens, ref_tokens)
     torch.testing.assert_close(logits, ref_logits, atol=ATOL, rtol=RTOL)
 

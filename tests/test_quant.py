@@ -522,3 +522,18 @@ def test_rotation_in_the_decode_dtype_is_made_once_and_follows_the_signs():
     after = rotation_as(signs, torch.float32)
     assert not torch.equal(before, after) and torch.equal(after[1:], before[1:])
     torch.testing.assert_close(rotate_in(x, signs), rotate(x, signs))
+
+def test_rotation_of_signs_made_in_inference_mode():
+    """A cache built under torch.inference_mode() (as `kvcompress eval` builds it) holds inference-tensor
+    signs, which keep no version counter: the decode step's rotation still works, inside and outside the
+    mode, and is made once."""
+    from kvcompress.quant.rotation import random_signs, rotate, rotate_in, rotation_as
+
+    with torch.inference_mode():
+        signs = random_signs(64, 3)
+    assert signs.is_inference()
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(rotate_in(x, signs), rotate(x, signs))
+    with torch.inference_mode():
+        torch.testing.assert_close(rotate_in(x, signs), rotate(x, signs))
+    assert rotation_as(signs, torch.float32) is rotation_as(signs, torch.float32)

@@ -49,11 +49,16 @@ def rotation_as(signs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     decode step over rotated streams rotates the exact parts and the output at every step, each with a
     product and three small kernels around it (the matrix built, casts to float32 and back); rotated values
     added about 40 us to a captured batch-1 step on an H200 (BENCHMARKS.md). Made again (and the old ones
-    dropped) if the signs are modified in place."""
+    dropped) if the signs are modified in place. Signs made under `torch.inference_mode()` (a cache built
+    in an inference-mode loop) keep no version counter, and nothing outside that mode can change them."""
+    try:
+        current = signs._version
+    except RuntimeError:  # an inference tensor
+        current = -1
     version, by_dtype = signs.__dict__.get("_kvcompress_rotations", (None, {}))
-    if version != signs._version:
+    if version != current:
         by_dtype = {}
-        signs.__dict__["_kvcompress_rotations"] = (signs._version, by_dtype)
+        signs.__dict__["_kvcompress_rotations"] = (current, by_dtype)
     if dtype not in by_dtype:
         by_dtype[dtype] = rotation_matrix(signs).to(dtype)
     return by_dtype[dtype]
