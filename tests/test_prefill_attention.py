@@ -159,8 +159,12 @@ def test_enabled_prefill_is_deferred_and_equals_the_drop_in_path(preset, monkeyp
     import kvcompress.kernels.prefill_attention as pa
 
     monkeypatch.setenv("KVCOMPRESS_KERNELS", "triton")
+    # One layer: its K/V come from the embeddings, so both runs store the same codes and the logits differ
+    # only by summation order. A second layer's K/V would carry the first layer's attention rounding (SDPA
+    # against prefill_attention, ~1e-7), which can flip a 4-bit code (an int4 value code flipped that way
+    # under transformers 5.25 and moved later logits by 1e-3): a difference of inputs, not of the paths.
     model = make_tiny_model("llama", hidden_size=384, num_attention_heads=6, num_key_value_heads=2,
-                            head_dim=64, intermediate_size=256, num_hidden_layers=2)
+                            head_dim=64, intermediate_size=256, num_hidden_layers=1)
     ids = torch.randint(3, 256, (2, 90), generator=torch.Generator().manual_seed(3))
     chunks = [ids[:, :40], ids[:, 40:77], ids[:, 77:]]
 
@@ -187,7 +191,7 @@ def test_enabled_prefill_is_deferred_and_equals_the_drop_in_path(preset, monkeyp
     real_dense = CompressedLayer.dense
     monkeypatch.setattr(CompressedLayer, "dense", lambda self: dense_calls.append(1) or real_dense(self))
     got, cache = run(True)
-    assert len(calls) == 2 * len(chunks)  # every chunk of both layers
+    assert len(calls) == len(chunks)  # every chunk
     assert not dense_calls  # the dense K/V was never built
     assert cache.layers[0].key_store.n_pages > 0
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-3)
