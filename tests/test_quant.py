@@ -523,6 +523,7 @@ def test_rotation_in_the_decode_dtype_is_made_once_and_follows_the_signs():
     assert not torch.equal(before, after) and torch.equal(after[1:], before[1:])
     torch.testing.assert_close(rotate_in(x, signs), rotate(x, signs))
 
+
 def test_rotation_of_signs_made_in_inference_mode():
     """A cache built under torch.inference_mode() (as `kvcompress eval` builds it) holds inference-tensor
     signs, which keep no version counter: the decode step's rotation still works, inside and outside the

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from kvcompress.kernels.mla_decode_triton import _k_rot_tile, _softmax_step
+from kvcompress.tensor_version import tensor_version
 
 _PAIR_TABLES: dict = {}
 
@@ -33,11 +34,7 @@ def pair_table(codebook: torch.Tensor, dtype: torch.dtype, device) -> torch.Tens
     """[256] int32: byte v -> level[v & 15] | level[v >> 4] << 16, each level as `dtype` (16-bit) bits.
     Cached per codebook tensor, version, dtype and device (a captured decode step allocates nothing and
     reads nothing back). The cache holds the codebook too, so its address is never reused by another."""
-    try:
-        version = codebook._version
-    except RuntimeError:  # an inference tensor keeps no version counter (nor can it change outside one)
-        version = -1
-    key = (codebook.data_ptr(), version, dtype, str(device))
+    key = (codebook.data_ptr(), tensor_version(codebook), dtype, str(device))
     entry = _PAIR_TABLES.get(key)
     if entry is None:
         bits = codebook.to(device, dtype).view(torch.int16).to(torch.int64) & 0xFFFF  # [16]

@@ -11,6 +11,8 @@ import functools
 
 import torch
 
+from kvcompress.tensor_version import tensor_version
+
 
 @functools.lru_cache(maxsize=None)
 def _hadamard(d: int, device: torch.device) -> torch.Tensor:
@@ -51,10 +53,7 @@ def rotation_as(signs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     added about 40 us to a captured batch-1 step on an H200 (BENCHMARKS.md). Made again (and the old ones
     dropped) if the signs are modified in place. Signs made under `torch.inference_mode()` (a cache built
     in an inference-mode loop) keep no version counter, and nothing outside that mode can change them."""
-    try:
-        current = signs._version
-    except RuntimeError:  # an inference tensor
-        current = -1
+    current = tensor_version(signs)
     version, by_dtype = signs.__dict__.get("_kvcompress_rotations", (None, {}))
     if version != current:
         by_dtype = {}
