@@ -5,7 +5,8 @@ shipped text is plausible; each row's KL divergence from the reference is the KL
 distributions, 0 for a second uncompressed run and a close lower bound of the full-vocabulary KL for a
 lossy cache; the lossless preset is token-identical to DynamicCache (delta exactly 0);
 a text too short for the context fails with a message naming its token count; passkey retrieval
-finds the key through an uncompressed cache on a short prompt.
+finds the key through an uncompressed cache on a short prompt; the progress reaches a log that is not
+a terminal (where rich draws nothing).
 """
 
 from __future__ import annotations
@@ -225,3 +226,47 @@ def test_eval_runs_sparse_presets_under_the_kvcompress_attention(smollm2):
     assert [r["name"] for r in rows] == ["uncompressed", "quest-512", "h2o-20"]
     assert all(r["ppl"] == r["ppl"] and r["ppl"] < 1e4 for r in rows)
     assert model.config._attn_implementation == before
+
+
+def test_line_progress_logs_each_phase_and_at_most_one_line_per_interval():
+    """Where rich would draw nothing (not a terminal), the run still reports: a line when a phase
+    starts, then at most one per interval, with the steps done, and a last line at the end."""
+    import io
+
+    from kvcompress.evaluation.progress import LineProgress, progress_display
+
+    now = [0.0]
+    out = io.StringIO()
+    with LineProgress(out, every_s=30.0, clock=lambda: now[0]) as bar:
+        task = bar.add_task("evaluating", total=100)
+        bar.update(task, description="uncompressed: perplexity")
+        for _ in range(50):  # 50 steps of 1 s: lines at 30 s only
+            now[0] += 1.0
+            bar.advance(task)
+        bar.update(task, description="uncompressed: perplexity")  # same phase: no line
+        bar.update(task, description="nuq4: perplexity")
+        for _ in range(50):
+            now[0] += 0.1  # 5 s in all: under the interval
+            bar.advance(task)
+    lines = out.getvalue().splitlines()
+    assert lines == [
+        "uncompressed: perplexity: 0/100 (0 %) after 0:00:00",
+        "uncompressed: perplexity: 30/100 (30 %) after 0:00:30, about 0:01:10 left",
+        "nuq4: perplexity: 50/100 (50 %) after 0:00:50, about 0:00:50 left",
+        "nuq4: perplexity: 100/100 (100 %) after 0:00:55",
+    ]
+    assert isinstance(progress_display(True, stream=io.StringIO()), LineProgress)
+    assert progress_display(False) is not None  # a null context: the runner gets None from it
+    with progress_display(False) as bar:
+        assert bar is None
+
+
+def test_eval_progress_reaches_a_log_that_is_not_a_terminal(smollm2, capsys):
+    """`evaluate(progress=True)` with stderr captured (not a terminal) prints its phases there."""
+    from kvcompress.evaluation.runner import evaluate
+
+    model, tok = smollm2
+    evaluate(model, tok, presets=["int4"], context=24, passkey=False, progress=True)
+    err = capsys.readouterr().err
+    assert "uncompressed: perplexity: 0/" in err and "int4: perplexity: 11/" in err
+    assert err.rstrip().splitlines()[-1].startswith("int4: perplexity: 22/22 (100 %)")

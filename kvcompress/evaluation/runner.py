@@ -26,6 +26,7 @@ from kvcompress.evaluation.baselines import (
 from kvcompress.evaluation.divergence import ReferenceLogprobs
 from kvcompress.evaluation.passkey import passkey_accuracy
 from kvcompress.evaluation.perplexity import context_windows, perplexity
+from kvcompress.evaluation.progress import progress_display
 from kvcompress.integration import enabled as kvcompress_enabled
 
 UNCOMPRESSED = "uncompressed"
@@ -118,7 +119,7 @@ def evaluate(
     n_steps = len(entries) * windows * (context - context // 2 - 1)
     n_trials = len(entries) * len(passkey_lengths) * len(passkey_depths) * len(passkey_seeds) if passkey else 0
     rows, references = [], None
-    with _progress(progress) as bar:
+    with progress_display(progress) as bar:
         task = bar.add_task("evaluating", total=n_steps + n_trials) if bar else None
         advance = (lambda: bar.advance(task)) if bar else None
         for entry in entries:
@@ -222,15 +223,3 @@ def add_deltas(rows: list[dict]) -> list[dict]:
         else:
             r["ppl_delta_pct"] = 100.0 * (r["ppl"] / ref["ppl"] - 1.0)
     return rows
-
-
-def _progress(enabled: bool):
-    if not enabled:
-        return nullcontext(None)
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-    return Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-        console=Console(stderr=True), transient=True,
-    )
