@@ -13,7 +13,7 @@ import time
 from contextlib import nullcontext
 from typing import Callable, TextIO
 
-LOG_EVERY_S = 30.0  # a line every half minute: a 4096-token window on two CPU cores takes about 13 minutes
+LOG_EVERY_S = 30.0  # a line every half minute: one 4096-token row takes about 13 minutes on one CPU thread
 
 
 def progress_display(enabled: bool, stream: TextIO | None = None, every_s: float = LOG_EVERY_S):
