@@ -42,8 +42,9 @@ def generate(model, prompt, preset, max_new_tokens, device, chat, graph):
     inputs = tok(text, return_tensors="pt").to(m.device)
     cache = CompressedCache(m.config, preset)
     extra = {}
-    if graph:
+    if graph or cache.kv_config.needs_attention:  # a sparse preset runs under the kvcompress attention
         kvcompress.enable(m)
+    if graph:
         extra["custom_generate"] = kvcompress.graph_generate
     start = time.perf_counter()
     try:

@@ -185,8 +185,10 @@ class SparsitySpec:
 
     @property
     def needs_attention(self) -> bool:
-        """Whether the policy needs the query or the attention weights (the kvcompress attention)."""
-        return self.method in ("h2o", "snapkv", "quest")
+        """Whether the layer runs under the kvcompress attention: every policy does. H2O and SnapKV read the
+        attention weights, Quest the query; StreamingLLM reads neither but evicts where that attention
+        hands the step's padding mask to its policy (kvcompress.sparse.state)."""
+        return self.method != "none"
 
 
 @dataclass

@@ -216,16 +216,28 @@ def test_passkey_answer_logprob_is_the_teacher_forced_one_on_both_paths(smollm2)
 
 
 def test_eval_runs_sparse_presets_under_the_kvcompress_attention(smollm2):
-    """A preset whose policy needs the query (Quest) or the attention weights (H2O) is evaluated inside
-    `kvcompress.enabled(model)`; the model is restored after."""
+    """A sparse preset is evaluated inside `kvcompress.enabled(model)`, whether its policy needs the query
+    (Quest), the attention weights (H2O) or neither (StreamingLLM, which evicts where that attention hands it
+    the padding mask); the model is restored after."""
     from kvcompress.evaluation.runner import evaluate
 
     model, tok = smollm2
     before = model.config._attn_implementation
-    rows = evaluate(model, tok, presets=["quest-512", "h2o-20"], context=96, passkey=False, progress=False)
-    assert [r["name"] for r in rows] == ["uncompressed", "quest-512", "h2o-20"]
+    names = ["quest-512", "h2o-20", "streaming"]
+    rows = evaluate(model, tok, presets=names, context=96, passkey=False, progress=False)
+    assert [r["name"] for r in rows] == ["uncompressed", *names]
     assert all(r["ppl"] == r["ppl"] and r["ppl"] < 1e4 for r in rows)
     assert model.config._attn_implementation == before
+
+
+@pytest.mark.parametrize("preset", ["h2o-20", "streaming"])
+def test_cli_generate_runs_a_sparse_preset(preset):
+    """`kvcompress generate -p <sparse preset>`: the command switches the kvcompress attention on itself (a
+    CLI user cannot call `kvcompress.enable`)."""
+    prompt = "The KV cache grows with the context, so long prompts need memory. " * 8
+    result = CliRunner().invoke(main, ["generate", "smollm2-135m", prompt, "-p", preset, "-n", "4", "--no-chat"])
+    assert result.exit_code == 0, result.output
+    assert "KV cache memory" in result.output
 
 
 def test_line_progress_logs_each_phase_and_at_most_one_line_per_interval():
