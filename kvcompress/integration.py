@@ -124,6 +124,7 @@ def enable(model, backend: str | Callable = "fused"):
     for m in model.modules():
         if hasattr(m, "layer_idx"):
             m._kvcompress_backend = fn
+    model._kvcompress_backend_arg = backend  # what `enabled` restores when it nests in an earlier enable
     return model
 
 
@@ -143,6 +144,7 @@ def disable(model):
         if hasattr(m, "_kvcompress_backend"):
             del m._kvcompress_backend
     model._kvcompress_restore = None
+    model._kvcompress_backend_arg = None
     clear_pending()
     return model
 
@@ -181,11 +183,14 @@ def _remove_forward_hooks(model) -> None:
 
 @contextlib.contextmanager
 def enabled(model, backend: str | Callable = "fused"):
-    """`with kvcompress.enabled(model): ...` enables the kvcompress attention for the block only."""
-    already = getattr(model, "_kvcompress_restore", None) is not None
+    """`with kvcompress.enabled(model): ...` enables the kvcompress attention for the block only; on a model
+    enabled before, the block's backend is undone to the earlier one on exit."""
+    earlier = getattr(model, "_kvcompress_backend_arg", None) if getattr(model, "_kvcompress_restore", None) else None
     enable(model, backend)
     try:
         yield model
     finally:
-        if not already:
+        if earlier is None:
             disable(model)
+        else:
+            enable(model, earlier)

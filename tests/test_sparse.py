@@ -376,6 +376,23 @@ def test_enable_is_scoped(model):
     assert eager.config._attn_implementation == "eager"
 
 
+def test_enabled_block_inside_an_earlier_enable_restores_its_backend(model):
+    """`with enabled(model, B)` on a model enabled with A leaves A (its backend and its forward hooks)
+    on exit, and the model still enabled; `disable` then restores the original attention."""
+    attn = model.model.layers[0].self_attn
+    kvcompress.enable(model, "torch")
+    try:
+        torch_fn = attn._kvcompress_backend
+        assert model._kvcompress_hooks is None  # "torch": no fused-path hooks
+        with kvcompress.enabled(model):  # "fused"
+            assert attn._kvcompress_backend is not torch_fn and model._kvcompress_hooks is not None
+        assert attn._kvcompress_backend is torch_fn and model._kvcompress_hooks is None
+        assert model.config._attn_implementation == "kvcompress"
+    finally:
+        kvcompress.disable(model)
+    assert model.config._attn_implementation == "sdpa"
+
+
 def test_sparse_config_without_enable_names_the_fix(model):
     ids = torch.randint(3, 256, (1, 12))
     with pytest.raises(ConfigError, match=r"kvcompress\.enable\(model\)"):
