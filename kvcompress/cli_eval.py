@@ -17,6 +17,22 @@ def _lengths(ctx, param, value: str) -> tuple[int, ...]:
     return out
 
 
+def _check_caches(presets, configs) -> None:
+    """Unknown preset names and unreadable config files are refused before the model loads."""
+    from kvcompress.config import ConfigError, KVCompressConfig
+    from kvcompress.presets import preset_names
+
+    names = preset_names()
+    unknown = [p for p in presets if p not in names]
+    if unknown:
+        raise click.ClickException(f"unknown preset {', '.join(map(repr, unknown))}; available: {', '.join(names)}")
+    for path in configs:
+        try:
+            KVCompressConfig.load(path)
+        except ConfigError as e:
+            raise click.ClickException(str(e))
+
+
 @click.command("eval")
 @click.argument("model", default="smollm2-135m")
 @click.option("--preset", "-p", "presets", multiple=True, help="Preset to evaluate (repeatable). Default: fp8, int4, nuq4.")
@@ -56,6 +72,7 @@ def eval_command(model, presets, configs, context, windows, text_file, json_out,
     """
     from rich.console import Console
 
+    from kvcompress.config import ConfigError
     from kvcompress.evaluation.perplexity import TextTooShortError
     from kvcompress.evaluation.runner import evaluate
     from kvcompress.evaluation.table import print_results, write_json
@@ -69,6 +86,7 @@ def eval_command(model, presets, configs, context, windows, text_file, json_out,
             raise click.ClickException(f"--plot needs matplotlib; install it with: {PLOT_HINT}")
     if not presets and not configs:
         presets = ("fp8", "int4", "nuq4")
+    _check_caches(presets, configs)
     text = None
     if text_file:
         with open(text_file, encoding="utf-8") as f:
@@ -81,7 +99,7 @@ def eval_command(model, presets, configs, context, windows, text_file, json_out,
             passkey=passkey, passkey_lengths=passkey_lengths, passkey_seeds=tuple(range(passkey_seeds)),
             passkey_template=passkey_template, progress=progress, log=lambda msg: console.print(f"[yellow]{msg}"),
         )
-    except TextTooShortError as e:
+    except (TextTooShortError, ConfigError) as e:  # a config made for another model, a preset it cannot take
         raise click.ClickException(str(e))
     over = f"the last {context - context // 2} tokens" + (f" of each of {windows} windows" if windows > 1 else "")
     title = f"{model} ({m.dtype}): context {context}, ppl over {over}, device {m.device}"

@@ -281,3 +281,54 @@ def test_eval_progress_reaches_a_log_that_is_not_a_terminal(smollm2, capsys):
     err = capsys.readouterr().err
     assert "uncompressed: perplexity: 0/" in err and "int4: perplexity: 11/" in err
     assert err.rstrip().splitlines()[-1].startswith("int4: perplexity: 22/22 (100 %)")
+
+
+def test_cli_eval_refuses_an_unknown_preset_before_loading_the_model(monkeypatch):
+    import kvcompress.cli_eval as cli_eval
+
+    def never(*a, **k):
+        raise AssertionError("the model was loaded before the preset name was checked")
+
+    monkeypatch.setattr(cli_eval, "load_model_or_exit", never)
+    result = CliRunner().invoke(main, ["eval", "smollm2-135m", "-p", "nuq5", "--no-passkey"])
+    assert result.exit_code != 0 and isinstance(result.exception, SystemExit), result.output
+    assert "unknown preset 'nuq5'" in result.output and "nuq4" in result.output
+
+
+def test_cli_eval_refuses_a_config_made_for_another_model(tmp_path):
+    """A config calibrated for another model ends in a message naming the mismatch, not a traceback."""
+    from transformers import LlamaConfig
+
+    from kvcompress.config import KVCompressConfig
+
+    other = LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=128)
+    path = tmp_path / "other.safetensors"
+    KVCompressConfig.from_preset("nuq4", other).save(path)
+    result = CliRunner().invoke(main, ["eval", "smollm2-135m", "-c", str(path), "--context", "64", "--no-passkey",
+                                       "--no-progress"])
+    assert result.exit_code != 0 and isinstance(result.exception, SystemExit), result.output
+    assert "made for a different model" in result.output and "model has 30" in result.output
+
+
+def test_plot_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    """`eval --plot`: a PNG with one point per row that has bits; a save that fails midway leaves no file."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    from kvcompress.evaluation.plot import plot_results
+
+    rows = [{"name": "uncompressed", "context": 64, "bits_per_element": 16.0, "ppl_delta_pct": 0.0, "passkey": 1.0},
+            {"name": "nuq4", "context": 64, "bits_per_element": 4.6, "ppl_delta_pct": 0.2, "passkey": None}]
+    path = tmp_path / "q.png"
+    plot_results(rows, str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    def broken(self, fname, **kw):
+        with open(fname, "wb") as f:
+            f.write(b"\x89PNG partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(Figure, "savefig", broken)
+    with pytest.raises(OSError, match="disk full"):
+        plot_results(rows, str(tmp_path / "r.png"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["q.png"]

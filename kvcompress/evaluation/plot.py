@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+
+from kvcompress.atomic import atomic_path
+
 PLOT_HINT = 'pip install "kvcompress[plot]"'
 
 
@@ -36,7 +40,9 @@ def plot_results(rows: list[dict], path: str, title: str | None = None) -> None:
     ax.set_title(title or f"KV cache: quality vs size (context {ctx})")
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    ext = os.path.splitext(os.fspath(path))[1]
+    with atomic_path(path, ext or ".png") as tmp:  # an interrupted save leaves no half-written image
+        fig.savefig(tmp, dpi=120, format=ext[1:] or "png")
     plt.close(fig)
 
 
