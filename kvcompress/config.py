@@ -53,7 +53,7 @@ class QuantSpec:
     codebook, KVQuant/TurboQuant style) or "bnb" (bitsandbytes NF4/FP4).
     axis: "token" = statistics per token (values); "page" = per channel within each page (keys, KIVI's
     grouping); "channel" = per channel for the whole sequence (nuq: calibrated or frozen at the first
-    page; for "int" it means per channel within each page, as "page").
+    page; for "int" it means per channel within each page, as "page" does there).
     group_size: channels per group for per-token statistics (0 = the whole head).
     codebook: nuq's data-oblivious levels where calibration gives none: Lloyd-Max for a unit-variance
     Gaussian, Laplace or Student-t (5 degrees of freedom) density (the last two for heavy-tailed streams).
@@ -125,6 +125,34 @@ class QuantSpec:
             )
         if self.codebook not in CODEBOOKS:
             raise ConfigError(f"unknown codebook {self.codebook!r}; use one of {CODEBOOKS}")
+        # options the method's codec never reads are refused rather than silently ignored
+        unread = []
+        if self.method != "nuq":
+            unread += [f"outlier_fraction={self.outlier_fraction}"] * bool(self.outlier_fraction)
+            unread += ["rotation=True"] * self.rotation
+            unread += [f"codebook={self.codebook!r}"] * (self.codebook != "gaussian")
+            unread += [f"outlier_scope={self.outlier_scope!r}"] * (self.outlier_scope != "page")
+        if self.method in ("none", "fp8", "bnb") and self.group_size:
+            unread.append(f"group_size={self.group_size}")
+        if unread:
+            raise ConfigError(
+                f"{', '.join(unread)} do(es) not apply to method={self.method!r} (outliers, rotation, codebooks "
+                f"and outlier scopes are nuq's; group_size is int's per-token groups): remove {', '.join(unread)}"
+            )
+
+    def check_head_dim(self, head_dim: int, where: str) -> None:
+        """Raise a ConfigError when this spec cannot code a stream of `head_dim` channels."""
+        if self.rotation and (head_dim <= 0 or head_dim & (head_dim - 1)):
+            raise ConfigError(
+                f"{where}: the Hadamard rotation needs a power-of-two head dim, and this model's is {head_dim}; "
+                "use a config without rotation (nuq4, int4, fp8)"
+            )
+        group = self.group_size or head_dim
+        if self.method == "int" and self.axis == "token" and head_dim % group:
+            raise ConfigError(
+                f"{where}: int groups of {group} channels must divide the head dim {head_dim}; set group_size to "
+                f"a divisor of {head_dim} (0: the whole head)"
+            )
 
     @property
     def is_lossless(self) -> bool:
@@ -247,6 +275,9 @@ class KVCompressConfig:
             raise ConfigError(
                 f"config has {len(self.layers)} layer policies but the model has {self.layout.num_layers} layers"
             )
+        for i, policy in enumerate(self.layers):
+            policy.key.check_head_dim(self.layout.key_head_dim, f"layer {i} keys ({self.name})")
+            policy.value.check_head_dim(self.layout.value_head_dim, f"layer {i} values ({self.name})")
 
     # -- presets ----------------------------------------------------------------------------
     @classmethod

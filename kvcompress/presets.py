@@ -3,7 +3,8 @@
 Sliding-window layers always stay exact (they are bounded already). Quantization presets:
 - fp8 / fp8-e5m2: 1 byte per element, dynamic per-token scales; 4 sinks and the newest 64 tokens exact.
 - int8 / int4 / int3 / int2: KIVI (keys per channel in groups of 32 tokens, values per token in groups
-  of 32 channels, the newest 128 tokens in full precision); int2 also keeps 8 sinks exact and fits each
+  of 32 channels (of the largest power of two dividing the head dim where 32 does not), the
+  newest 128 tokens in full precision); int2 also keeps 8 sinks exact and fits each
   key group's range by least squares instead of spanning its min and max.
 - nuq4 / nuq3 / nuq2: keys coded on each page's per-channel range (pages of 32 tokens, 16 for nuq2;
   post-RoPE keys drift, so a range per page follows them) with 1% outliers per page kept exactly; values
@@ -52,15 +53,25 @@ def _fp8(fmt: str) -> LayerFn:
 
 
 def _kivi(bits: int, key_fit: str = "minmax", sinks: int = 0) -> LayerFn:
-    return _uniform(
-        LayerPolicy(
+    def layer(layout: ModelLayout, i: int) -> LayerPolicy:
+        return LayerPolicy(
             key=QuantSpec(method="int", bits=bits, axis="channel", range_fit=key_fit),
-            value=QuantSpec(method="int", bits=bits, axis="token", group_size=32),
+            value=QuantSpec(method="int", bits=bits, axis="token", group_size=value_group(layout.value_head_dim)),
             page_size=32,
             residual=128,
             sinks=sinks,
         )
-    )
+
+    return layer
+
+
+def value_group(head_dim: int, target: int = 32) -> int:
+    """KIVI's value groups: 32 channels, or the largest power of two below that dividing the head dim (a head
+    of 80 channels takes groups of 16, one of 16 a single group; powers of two, as the fused kernels' tiles)."""
+    g = target
+    while g > 1 and head_dim % g:
+        g //= 2
+    return g
 
 
 def _nuq(bits: int, outliers: float = 0.01, rotated_values: bool = False) -> LayerFn:

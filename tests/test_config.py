@@ -15,6 +15,7 @@ from transformers import LlamaConfig, Qwen3Config
 
 from kvcompress import CompressedCache, ConfigError, KVCompressConfig
 from kvcompress.cache import CompressedLayer
+from kvcompress.config import LayerPolicy, QuantSpec
 
 H, D = 2, 16
 
@@ -340,3 +341,52 @@ def test_a_sparsity_option_the_policy_ignores_is_refused(method, option):
     assert SparsitySpec("h2o", ratio=0.5, recent=32, sinks=4).recent == 32
     assert SparsitySpec("streaming", ratio=0.5, sinks=4).sinks == 4
     assert SparsitySpec("quest", ratio=0.5, budget_sharing="heads").budget_sharing == "heads"
+
+
+# -- options and shapes a codec cannot take ------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs, named", [
+    (dict(method="int", bits=4, outlier_fraction=0.01), "outlier_fraction=0.01"),
+    (dict(method="int", bits=4, rotation=True), "rotation=True"),
+    (dict(method="fp8", group_size=32), "group_size=32"),
+    (dict(method="int", bits=4, codebook="laplace"), "codebook='laplace'"),
+])
+def test_options_the_method_never_reads_are_refused(kwargs, named):
+    with pytest.raises(ConfigError, match=f"{named}.*remove"):
+        QuantSpec(**kwargs)
+
+
+def test_int_keys_on_the_page_axis_are_coded_per_channel_within_each_page():
+    """QuantSpec's docstring: for int, "page" means what "channel" does (it was coded per token)."""
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(1, H, 70, 16, generator=g) * torch.linspace(0.1, 8, 16)  # channels of very different ranges
+    v = torch.randn(1, H, 70, 16, generator=g)
+    held = {}
+    for axis in ("page", "channel", "token"):
+        policy = LayerPolicy(key=QuantSpec("int", bits=4, axis=axis), value=QuantSpec("int", bits=4, group_size=16),
+                             page_size=16)
+        layer = CompressedLayer(policy)
+        layer.update(k, v)
+        held[axis] = layer.dense()[0]
+    assert torch.equal(held["page"], held["channel"])
+    assert not torch.equal(held["page"], held["token"])
+
+
+@pytest.mark.parametrize("preset", ["nuq3", "nuq2", "nuq4-rot", "nuq4-vrot"])
+def test_a_rotated_preset_on_a_head_dim_that_is_no_power_of_two_is_refused_when_built(preset):
+    """Head dim 96 (Phi-3's): a ConfigError naming the fix when the config is built, not an assertion at
+    the first update."""
+    with pytest.raises(ConfigError, match="power-of-two head dim.*96.*without rotation"):
+        KVCompressConfig.from_preset(preset, llama_config(hidden_size=384, head_dim=96))
+
+
+def test_int_presets_take_value_groups_that_divide_the_head_dim():
+    """int4 on a head of 80 channels: value groups of 16 (32 does not divide 80), and the cache runs."""
+    cfg = KVCompressConfig.from_preset("int4", llama_config(hidden_size=320, head_dim=80))
+    assert cfg.layers[0].value.group_size == 16
+    cache = CompressedCache(llama_config(hidden_size=320, head_dim=80), cfg)
+    k = torch.randn(1, H, 40, 80)
+    out_k, _ = cache.update(k, k.clone(), 0)
+    assert out_k.shape == k.shape
+    with pytest.raises(ConfigError, match="groups of 32 channels must divide the head dim 80"):
+        KVCompressConfig(layout=cfg.layout, layers=[
+            LayerPolicy(value=QuantSpec("int", bits=4, group_size=32)) for _ in cfg.layers])

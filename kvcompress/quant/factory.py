@@ -38,9 +38,8 @@ def make_codec(
     if spec.method == "int":
         from kvcompress.quant.uniform import UniformCodec
 
-        return UniformCodec(
-            nbits=spec.bits, axis=spec.axis, group_size=spec.group_size, range_fit=spec.range_fit, **common
-        )
+        axis = "channel" if spec.axis == "page" else spec.axis  # int keys: per channel within each page, either name
+        return UniformCodec(nbits=spec.bits, axis=axis, group_size=spec.group_size, range_fit=spec.range_fit, **common)
     if spec.method == "nuq":
         from kvcompress.quant.nuq import NuqCodec
 
