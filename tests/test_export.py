@@ -106,6 +106,35 @@ def test_vllm_per_head_export_and_merge_into_model_config(tmp_path):
     assert torch.equal(t["model.layers.2.self_attn.v_scale"], _scales(2, 1))
 
 
+def test_vllm_export_into_the_model_folder_merges_its_config_json(tmp_path):
+    """Exporting into a folder that holds the model's config.json keeps every key of it (it was replaced by
+    one holding only quantization_config); a compressed-tensors weight config keeps its groups and gains
+    the KV scheme; another quantization method is refused and the file left as it was."""
+    from compressed_tensors import QuantizationConfig
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 3}))
+    export_vllm(fp8_config(), str(folder))
+    doc = json.loads((folder / "config.json").read_text())
+    assert doc["model_type"] == "llama" and doc["num_hidden_layers"] == 3
+    assert QuantizationConfig.model_validate(doc["quantization_config"]).kv_cache_scheme.num_bits == 8
+
+    weights = {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+               "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float"}}}}
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama", "quantization_config": weights}))
+    export_vllm(fp8_config(), str(folder))
+    qc = json.loads((folder / "config.json").read_text())["quantization_config"]
+    assert qc["config_groups"] == weights["config_groups"] and qc["ignore"] == ["lm_head"]
+    assert qc["kv_cache_scheme"]["num_bits"] == 8
+
+    awq = json.dumps({"model_type": "llama", "quantization_config": {"quant_method": "awq", "bits": 4}})
+    (folder / "config.json").write_text(awq)
+    with pytest.raises(ExportError, match="'awq'.*compressed-tensors"):
+        export_vllm(fp8_config(), str(folder))
+    assert (folder / "config.json").read_text() == awq
+
+
 def test_sglang_export(tmp_path):
     export_sglang(fp8_config(), str(tmp_path), tp_size=2)
     doc = json.loads((tmp_path / "kv_cache_scales.json").read_text())
