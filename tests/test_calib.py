@@ -411,15 +411,20 @@ def test_keep_ratios_need_a_budget_and_sane_values():
         CalibrationSettings(target_bits=3.0, keep_ratios=(1.5,))
 
 
-@pytest.mark.parametrize("value, message", [("0.5,x", "comma-separated ratios"), ("0.5", "--target-bits")])
-def test_calibrate_cli_refuses_bad_keep_ratios(value, message, tmp_path):
-    """A malformed list, or keep ratios without a budget, stops before the model is loaded and writes nothing."""
+@pytest.mark.parametrize("args, message", [
+    (["--keep-ratios", "0.5,x"], "comma-separated ratios"),
+    (["--keep-ratios", "0.5"], "--target-bits"),
+    (["--preset", "nuq5"], "unknown preset 'nuq5'"),
+])
+def test_calibrate_cli_refuses_bad_settings_before_loading(args, message, tmp_path):
+    """A malformed keep-ratio list, keep ratios without a budget, a preset name that does not exist: the run
+    stops before the model is loaded (no-such-model would fail to load) and writes nothing."""
     from click.testing import CliRunner
 
     from kvcompress.cli import main
 
     out = tmp_path / "c.safetensors"
-    res = CliRunner().invoke(main, ["calibrate", "no-such-model", "--keep-ratios", value, "--out", str(out)])
+    res = CliRunner().invoke(main, ["calibrate", "no-such-model", *args, "--out", str(out)])
     assert res.exit_code != 0
     assert message in res.output
     assert not out.exists()

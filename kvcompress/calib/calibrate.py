@@ -26,7 +26,7 @@ from kvcompress.calib.collect import CollectSettings, calibration_windows, colle
 from kvcompress.calib.mixed import mixed_layers
 from kvcompress.config import FP8_SHIFT_DEFAULT, FP8_SHIFTS, ConfigError, KVCompressConfig, LayerPolicy
 from kvcompress.layout.arch import ModelLayout
-from kvcompress.presets import build_preset
+from kvcompress.presets import build_preset, preset_names
 
 
 @dataclass
@@ -73,6 +73,8 @@ class CalibrationSettings:
         if self.keep_ratios and not self.has_budget:
             raise ConfigError("keep ratios are choices of the budget's allocation: give --target-bits or "
                               "--memory-budget with them")
+        if self.preset not in preset_names():  # before minutes of collection, not after
+            raise ConfigError(f"unknown preset {self.preset!r} to calibrate; available: {', '.join(preset_names())}")
         if self.fp8_shift not in FP8_SHIFTS:
             raise ConfigError(f"fp8_shift must be one of {', '.join(FP8_SHIFTS)}, got {self.fp8_shift!r}")
 
