@@ -332,3 +332,21 @@ def test_plot_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         plot_results(rows, str(tmp_path / "r.png"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["q.png"]
+
+
+def test_eval_runs_passkey_through_each_cache(smollm2):
+    """The runner's passkey branch with a compressed cache, not only the reference: every row gets its
+    trials at each (length, depth), and the compressed row's trials are its own (the nuq4 cache is built
+    per trial: its answers' log-probabilities differ from the uncompressed ones)."""
+    from kvcompress.evaluation.runner import evaluate
+
+    model, tok = smollm2
+    rows = evaluate(model, tok, presets=["nuq4"], context=64, passkey=True, passkey_lengths=(160,),
+                    passkey_depths=(0.2, 0.8), progress=False)
+    assert [r["name"] for r in rows] == ["uncompressed", "nuq4"]
+    for r in rows:
+        assert [(t["length"], t["depth"]) for t in r["passkey_trials"]] == [(160, 0.2), (160, 0.8)]
+        assert r["passkey"] == sum(t["found"] for t in r["passkey_trials"]) / 2
+        assert all(t["answer_logprob"] <= 0 for t in r["passkey_trials"])
+    ref, nuq = ([t["answer_logprob"] for t in r["passkey_trials"]] for r in rows)
+    assert ref != nuq
