@@ -3,8 +3,11 @@ file, offline), a local HF checkpoint folder, or a hub id."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import os
+import sys
 
 DEFAULT_MODEL = "smollm2-135m"
 _EMBEDDED = {"smollm2-135m", "smollm2", "smollm2-135m-instruct"}
@@ -33,13 +36,49 @@ def smollm2_gguf_path() -> str:
     return os.path.join(folder, files[0])
 
 
-def load_model(name_or_path: str = DEFAULT_MODEL, *, dtype=None, device: str | None = None, **kwargs):
+@contextlib.contextmanager
+def _loading_bars(show: bool):
+    """transformers' loading bars on (as they are) or off for the block. Off, where stderr is not a terminal
+    by default: tqdm then writes each redraw as a carriage-return line, a hundred of them per load in a log.
+    transformers' own bar ("Loading weights") follows its switch; the GGUF reader calls tqdm directly (no
+    switch), so its module's `tqdm` is swapped for a disabled one for the block and put back after."""
+    if show:
+        yield
+        return
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    gguf = sys.modules.get("transformers.modeling_gguf_pytorch_utils")
+    if gguf is None:
+        with contextlib.suppress(ImportError):
+            import transformers.modeling_gguf_pytorch_utils as gguf
+    bar = getattr(gguf, "tqdm", None)
+    if bar is not None:
+        gguf.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        if bar is not None:
+            gguf.tqdm = bar
+        if was_on:
+            hf_logging.enable_progress_bar()
+
+
+def load_model(name_or_path: str = DEFAULT_MODEL, *, dtype=None, device: str | None = None,
+               progress: bool | None = None, **kwargs):
     """Return (model, tokenizer).
 
     name_or_path: "smollm2-135m" (embedded, offline), a local HF checkpoint folder, or a hub id.
     dtype: torch dtype for the weights (default: the checkpoint's; SmolLM2's GGUF gives float32).
+    progress: show transformers' loading bars (default: only where stderr is a terminal).
     extra kwargs go to `from_pretrained` (e.g. quantization_config).
     """
+    with _loading_bars(sys.stderr.isatty() if progress is None else progress):
+        return _load(name_or_path, dtype, device, **kwargs)
+
+
+def _load(name_or_path: str, dtype, device, **kwargs):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if dtype is not None:
