@@ -39,8 +39,8 @@ QUEST_PAGE = 8
 # half), per step K/V bytes read against an uncompressed cache and Δppl (BENCHMARKS.md): nuq4 pages of
 # 16 with Quest pages of 8: 17.3 %, +0.41 %; pages of 16: 11.6 %, +0.33 %; 32: 8.4 %, +0.89 %; 64: 7.7 %,
 # +0.58 %; pages of 64 without the 4 exact sinks (what the fused kernel needs: Quest pages must be body
-# pages) 7.7 %, +1.03 %. The float32 min / max summaries of every page are read each step, 2 / P of the
-# keys' bytes.
+# pages) 7.7 %, +1.03 %. (Those runs had float32 min / max summaries; they are bfloat16 since, rounded
+# outward.) Every page's summaries are read each step: 2 / P of the bytes of the keys in the model dtype.
 QUEST_NUQ_PAGE = 64
 
 
