@@ -135,9 +135,11 @@ class QuantSpec:
         if self.method in ("none", "fp8", "bnb") and self.group_size:
             unread.append(f"group_size={self.group_size}")
         if unread:
+            what = ", ".join(unread)
             raise ConfigError(
-                f"{', '.join(unread)} do(es) not apply to method={self.method!r} (outliers, rotation, codebooks "
-                f"and outlier scopes are nuq's; group_size is int's per-token groups): remove {', '.join(unread)}"
+                f"{what} {'does' if len(unread) == 1 else 'do'} not apply to method={self.method!r} (outliers, "
+                f"rotation, codebooks and outlier scopes are nuq's; group_size is int's per-token groups): "
+                f"remove {what}"
             )
 
     def check_head_dim(self, head_dim: int, where: str) -> None:

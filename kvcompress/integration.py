@@ -185,7 +185,8 @@ def _remove_forward_hooks(model) -> None:
 def enabled(model, backend: str | Callable = "fused"):
     """`with kvcompress.enabled(model): ...` enables the kvcompress attention for the block only; on a model
     enabled before, the block's backend is undone to the earlier one on exit."""
-    earlier = getattr(model, "_kvcompress_backend_arg", None) if getattr(model, "_kvcompress_restore", None) else None
+    was_enabled = getattr(model, "_kvcompress_restore", None) is not None
+    earlier = getattr(model, "_kvcompress_backend_arg", None) if was_enabled else None
     enable(model, backend)
     try:
         yield model

@@ -2,9 +2,9 @@
 engine can express, and writing files atomically.
 
 Engines (vLLM, SGLang, TensorRT-LLM) keep the KV cache in FP8 E4M3 with static scales (dequant =
-fp8 * scale) per tensor, vLLM also per kv head. Calibration's scales are 2 x amax / 448: a binade of
-headroom over the calibration text's largest element (calib/fit.py, FP8_HEADROOM says why). They have no slot for NUQ
-codebooks, KIVI integers, outliers, exact sinks or residual windows, sparsity, or layers left in the
+fp8 * scale) per tensor, vLLM also per kv head; calibration's scales are 2 x amax / 448, a binade of
+headroom over the calibration text's largest element (calib/fit.py, FP8_HEADROOM says why). They have
+no slot for NUQ codebooks, KIVI integers, outliers, exact sinks or residual windows, sparsity, or layers left in the
 model dtype. An export therefore maps the calibrated FP8 scales and lists everything else; if anything
 the config asks for would be lost, it refuses unless `allow_partial` is set, in which case the engine
 runs FP8 with the calibrated scales on every layer and the lost parts are listed.
@@ -133,7 +133,8 @@ def fp8_scales_for_export(cfg: KVCompressConfig, allow_partial: bool = False) ->
     return Fp8Scales(
         key=[_stream_scale(p, "key") for p in cfg.layers],
         value=[_stream_scale(p, "value") for p in cfg.layers],
-        mapped=[f"FP8 E4M3 static scales (calibrated: 2 x amax / 448, a binade of headroom) for the keys and values of layers 0-{n - 1}"],
+        mapped=[f"FP8 E4M3 static scales (calibrated: 2 x amax / 448, a binade of headroom) for the keys and "
+                f"values of layers 0-{n - 1}"],
         not_mapped=not_mapped,
     )
 

@@ -38,8 +38,10 @@ def make_codec(
     if spec.method == "int":
         from kvcompress.quant.uniform import UniformCodec
 
-        axis = "channel" if spec.axis == "page" else spec.axis  # int keys: per channel within each page, either name
-        return UniformCodec(nbits=spec.bits, axis=axis, group_size=spec.group_size, range_fit=spec.range_fit, **common)
+        axis = "channel" if spec.axis == "page" else spec.axis  # int: both mean per channel within each page
+        return UniformCodec(
+            nbits=spec.bits, axis=axis, group_size=spec.group_size, range_fit=spec.range_fit, **common
+        )
     if spec.method == "nuq":
         from kvcompress.quant.nuq import NuqCodec
 
