@@ -310,6 +310,38 @@ def test_padded_batch_rows_match_rows_alone(model, method):
             torch.testing.assert_close(batch_logits[i], logits[0], atol=1e-4, rtol=0)
 
 
+EVICTING = ["h2o", "streaming", "snapkv"]
+
+
+@pytest.mark.parametrize("budget", ["tokens", "ratio"])
+@pytest.mark.parametrize("method", EVICTING)
+def test_padded_rows_evict_as_they_would_alone(model, method, budget):
+    """Uneven padding (29 and 13 slots), a row shorter than the budget, budgets as a ratio of each row's own
+    context: every row generates what it generates alone. A row over its budget evicts to it even while
+    a longer row needs the slots (those slots go dead, masked); a row under its budget keeps everything."""
+    lengths, steps = (40, 11, 27), 24
+    spec = SPECS[method](16)
+    if budget == "ratio":
+        spec = SparsitySpec(**{**spec.__dict__, "budget": 0, "ratio": 0.5})
+    gen = torch.Generator().manual_seed(5)
+    rows = [torch.randint(3, 256, (1, n), generator=gen) for n in lengths]
+    width = max(lengths)
+    ids = torch.cat([torch.nn.functional.pad(r, (width - r.shape[1], 0), value=0) for r in rows])
+    mask = torch.cat([torch.nn.functional.pad(torch.ones_like(r), (width - r.shape[1], 0)) for r in rows])
+    cfg = sparse_config(model, spec)
+    with kvcompress.enabled(model):
+        batch = CompressedCache(model.config, cfg)
+        batch_logits, batch_tokens = greedy(model, batch, ids, steps, mask)
+        held = batch.layers[0].held_tokens
+        for i, r in enumerate(rows):
+            logits, tokens = greedy(model, CompressedCache(model.config, cfg), r, steps)
+            n = tokens.shape[1]  # alone, a row stops at its end-of-sequence token; in the batch it pads after
+            assert torch.equal(batch_tokens[i, :n], tokens[0]), f"row {i} generated other tokens in the batch"
+            torch.testing.assert_close(batch_logits[i, :n], logits[0], atol=1e-4, rtol=0)
+    # the batch holds no more slots than its longest row alone would (+ the page of slack)
+    assert held <= width + steps if method == "snapkv" else held <= max(16, (width + steps) // 2) + 8 + 1
+
+
 def decode_steps(model, cache, steps: int, prompt: int = 40):
     """Prefill `prompt` random tokens then feed `steps` random tokens one by one; yields after each step."""
     gen = torch.Generator().manual_seed(4)

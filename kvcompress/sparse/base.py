@@ -5,9 +5,11 @@ A policy is a @dataclass of its hyperparameters (from SparsitySpec) that impleme
 - `select(state, query, mask)`: which held tokens this step reads (Quest); default: all of them.
 - `after_attention(layer, state, mass, valid)`: update scores and evict (H2O, StreamingLLM, SnapKV).
 
-Selection is always per (batch row, kv head) with the same count in every row: a policy gives a
-priority per held token [B, H, held] and the tokens it must keep; padding is never kept over a real
-token (priority -inf) and stays masked. `compact` then frees what is not kept:
+Selection is always per (batch row, kv head): a policy gives a priority per held token [B, H, held] and
+the tokens it must keep; padding is never kept over a real token (priority -inf) and stays masked. In a
+padded batch each row's budget and its moment to evict are the row's own (`evict_rows`: what the row
+would do alone); the slots are shared, so a row that keeps fewer tokens than another marks the rest dead
+(masked). `compact` frees what is not kept:
 
 - full-precision storage (a lossless layer, all tokens in its tail): a token-level gather;
 - quantized storage (sinks | packed body pages | tail): the exact sinks and the full-precision tail
@@ -54,6 +56,13 @@ class SparsePolicy:
         """Tokens per kv head for a context of `seen` tokens."""
         return self.budget if self.budget else max(1, math.ceil(self.ratio * seen))
 
+    def row_budgets(self, seen: torch.Tensor) -> torch.Tensor:
+        """token_budget per batch row: seen [B] real tokens each row has seen -> [B] long. In a padded batch
+        each row's budget is what the row alone would get."""
+        if self.budget:
+            return torch.full_like(seen, self.budget)
+        return torch.ceil(self.ratio * seen.double()).long().clamp_min(1)
+
     # -- hooks -----------------------------------------------------------------------------------
     def reset(self) -> None:
         """Forget what the policy learnt from a sequence (the cache was reset)."""
@@ -84,6 +93,13 @@ def top_indices(key: torch.Tensor, n_keep: int) -> torch.Tensor:
     return key.topk(n_keep, dim=-1).indices.sort(dim=-1).values
 
 
+def newest_real(valid: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """[B, H, held] True on the newest n[b] real tokens of each row (n: [B]); in a row without padding or
+    dead slots, the newest n held tokens (recent_mask)."""
+    from_end = valid.flip(-1).long().cumsum(-1).flip(-1)  # real tokens at or after each slot
+    return valid & (from_end <= n[:, None, None])
+
+
 def recent_mask(held: int, n_recent: int, like: torch.Tensor) -> torch.Tensor:
     """[B, H, held] True on the newest n_recent held tokens (held tokens stay in position order)."""
     m = torch.zeros(like.shape[:2] + (held,), dtype=torch.bool, device=like.device)
@@ -92,9 +108,10 @@ def recent_mask(held: int, n_recent: int, like: torch.Tensor) -> torch.Tensor:
     return m
 
 
-def sink_mask(valid: torch.Tensor, n_sinks: int) -> torch.Tensor:
-    """[B, H, held] True on the first n_sinks real (non-padding) tokens of each row."""
-    return valid & (valid.long().cumsum(-1) <= n_sinks)
+def sink_mask(valid: torch.Tensor, n_sinks: int | torch.Tensor) -> torch.Tensor:
+    """[B, H, held] True on the first n_sinks real (non-padding) tokens of each row (n_sinks: an int or [B])."""
+    n = n_sinks[:, None, None] if isinstance(n_sinks, torch.Tensor) else n_sinks
+    return valid & (valid.long().cumsum(-1) <= n)
 
 
 def gather_tokens(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -120,6 +137,40 @@ def compact(
         return
     key = keep_key(priority, forced, valid)
     _compact_pages(layer, state, key, max(n_keep, int((forced & valid).sum(-1).max())))
+
+
+def evict_rows(layer, state, priority: torch.Tensor, forced: torch.Tensor, valid: torch.Tensor,
+               budgets: torch.Tensor, slack: int, merge=None) -> None:
+    """Evict, per batch row, down to that row's budget where its real tokens exceed budget + slack, as the
+    row alone would; the other rows keep every real token.
+
+    budgets: [B]. A full-precision layer frees the slots no row needs and marks the real tokens that a row
+    evicts while another row still needs the slot as dead (SparseState.kill: masked from then on). A
+    quantized layer drops whole pages with one count for every row (its page fields are batched), and a
+    merging H2O layer (`merge`: merge_compact) merges down to the largest row's count.
+    """
+    real = valid.sum(-1)  # [B, H]
+    over = real > (budgets + slack)[:, None]
+    if not bool(over.any()):
+        return
+    must = (forced & valid).sum(-1)
+    keep = torch.where(over, torch.maximum(budgets[:, None], must), real)  # [B, H]
+    if merge is not None:
+        merge(layer, state, priority, forced, valid, int(keep.max()))
+    elif layer.compressed:
+        compact(layer, state, priority, forced, valid, int(keep.max()))
+    else:
+        held = layer.held_tokens
+        n = min(int(keep.max()), held)
+        order = keep_key(priority, forced, valid).topk(n, dim=-1).indices  # [B, H, n] best first
+        dead_ranked = torch.arange(n, device=order.device) >= keep[..., None]
+        idx, perm = order.sort(dim=-1)
+        dead = dead_ranked.gather(2, perm)
+        if n == held and not bool(dead.any()):
+            return
+        layer.tail_k, layer.tail_v = gather_tokens(layer.tail_k, idx), gather_tokens(layer.tail_v, idx)
+        state.gather(idx, held)
+        state.kill(dead)
 
 
 def kept_tokens(

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcompress.config import ConfigError, SparsitySpec
-from kvcompress.sparse.base import SparsePolicy, compact, recent_mask, sink_mask
+from kvcompress.sparse.base import SparsePolicy, evict_rows, newest_real, sink_mask
 from kvcompress.sparse.merge import merge_compact
 
 
@@ -50,19 +50,17 @@ class H2OPolicy(SparsePolicy):
         held, q = valid.shape[-1], state.step.q_len
         old = state.scores if state.scores is not None else mass.new_zeros(mass.shape[:2] + (held - q,))
         state.scores = torch.cat([old, old.new_zeros(old.shape[:2] + (q,))], dim=2) + mass.float()
-        budget = self.token_budget(layer.cumulative_length)
         slack = 0 if q > 1 else (self.page_size if not layer.compressed else layer.key_store.page_size)
-        if held <= budget + slack:
-            return
-        forced = recent_mask(held, self.recent_window(budget), valid)
+        if held <= self.token_budget(state.least_seen(layer.cumulative_length)) + slack:
+            return  # no row can be over its budget (the smallest is at least this)
+        budgets = self.row_budgets(state.seen)  # [B]: what each row alone would get
+        window = budgets.clamp(max=self.recent) if self.recent else budgets // 2
+        forced = newest_real(valid, window)
         if self.sinks:
             forced |= sink_mask(valid, self.sinks)
-        if not self.merge:
-            compact(layer, state, state.scores, forced, valid, budget)
-        elif getattr(layer, "mla_latent", False):  # quantized layers are refused by LayerPolicy already
+        if self.merge and getattr(layer, "mla_latent", False):  # quantized layers are refused by LayerPolicy
             raise ConfigError(
                 f"layer {layer.layer_idx}: H2O merge needs a GQA layer (this one holds an MLA latent); "
                 "use merge=False here"
             )
-        else:
-            merge_compact(layer, state, state.scores, forced, valid, budget)
+        evict_rows(layer, state, state.scores, forced, valid, budgets, slack, merge_compact if self.merge else None)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch.nn.functional as F
 
 from kvcompress.config import ConfigError, SparsitySpec
-from kvcompress.sparse.base import SparsePolicy, compact, recent_mask
+from kvcompress.sparse.base import SparsePolicy, evict_rows, newest_real
 
 
 @dataclass
@@ -41,12 +41,12 @@ class SnapKVPolicy(SparsePolicy):
 
     def after_attention(self, layer, state, mass, valid):
         held, q = valid.shape[-1], state.step.q_len
-        budget = self.token_budget(layer.cumulative_length)
-        if q == 1 or held <= budget:
+        if q == 1 or held <= self.token_budget(state.least_seen(layer.cumulative_length)):
             return
+        budgets = self.row_budgets(state.seen)  # [B]: what each row alone would get
         b, h, n = mass.shape
         pooled = F.avg_pool1d(
             mass.float().reshape(b * h, 1, n), self.pool_kernel, stride=1, padding=self.pool_kernel // 2
         ).reshape(b, h, n)
-        forced = recent_mask(held, min(self.observation_window, q, budget), valid)
-        compact(layer, state, pooled, forced, valid, budget)
+        forced = newest_real(valid, budgets.clamp(max=min(self.observation_window, q)))
+        evict_rows(layer, state, pooled, forced, valid, budgets, 0)

@@ -8,7 +8,8 @@ updated twice without that attention in between means the model runs another att
 implementation: that raises an error naming `kvcompress.enable(model)`.
 
 Held tokens stay in position order. `pos` [B, H, held] is each held token's position (None while
-nothing was evicted: then the positions are 0..held-1); `scores` [B, H, held] is H2O's accumulated
+nothing was evicted: then the positions are 0..held-1; -1 on a dead slot, which a padded batch's row
+evicted while another row still needed the slot, masked like padding); `scores` [B, H, held] is H2O's accumulated
 attention, `log_size` [B, H, held] the log of how many tokens each held token stands for once H2O
 merged evictions (kvcompress.sparse.merge). Quest's page summaries are `page_min` / `page_max`
 [B, H, pages, D] in bfloat16, computed from the full-precision keys as each page of `page_size` tokens
@@ -61,6 +62,10 @@ class SparseState:
         self.page_max: torch.Tensor | None = None
         self.pending_keys: torch.Tensor | None = None
         self.step: StepInputs | None = None
+        self.seen: torch.Tensor | None = None  # [B] real tokens each row has seen (its padding left out)
+        # padding slots a row has at most (host int, counted on steps of several tokens: a prefill's padding;
+        # decode tokens count as real), so the cheap check "no row can be over budget" needs no sync per step
+        self.pad_max = 0
         self.read_held = 0  # tokens held at the last step
         # the last step's selection [B, H, n] (None: everything) and the packed body's (first, count) then;
         # counted only when asked (bytes_read_last_step), so the decode step never waits on the device
@@ -100,6 +105,25 @@ class SparseState:
         self.step = StepInputs(keys=keys, values=values, q_len=q)
         _local.pending = layer
 
+    def count_seen(self, valid: torch.Tensor, q: int) -> torch.Tensor:
+        """Add the step's real tokens (valid [B, H, held] of its last query, the q new ones last) to `seen`."""
+        new = valid[:, 0, valid.shape[-1] - q:].sum(-1)
+        self.seen = new if self.seen is None else self.seen + new
+        if q > 1:
+            self.pad_max += int((q - new).max())
+        return self.seen
+
+    def least_seen(self, seen_slots: int) -> int:
+        """A lower bound on the real tokens any row has seen, without reading the device: the slots seen less
+        the most padding a row has."""
+        return seen_slots - self.pad_max
+
+    def kill(self, dead: torch.Tensor) -> None:
+        """Mask held slots dead [B, H, held] from now on (position -1): a padded batch's row evicted them
+        while another row still needs the slot."""
+        if bool(dead.any()):
+            self.pos = self.pos.masked_fill(dead, -1)
+
     def positions(self, held: int, like: torch.Tensor) -> torch.Tensor:
         """[B, H, held] positions of the held tokens."""
         if self.pos is not None:
@@ -130,7 +154,7 @@ class SparseState:
 
     # -- batch edits and accounting ----------------------------------------------------------
     def map_batch(self, fn) -> None:
-        for name in ("pos", "scores", "log_size", "page_min", "page_max", "pending_keys"):
+        for name in ("pos", "scores", "log_size", "page_min", "page_max", "pending_keys", "seen"):
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, fn(t))

@@ -39,7 +39,9 @@ def finish_sparse_step(layer, mass) -> None:
     held = step.mask.shape[-1]
     state.read_held, state.read_index = held, step.index
     state.read_body = (layer.sink_k.shape[2], layer.key_store.n_tokens) if layer.compressed else (0, held)
-    state.policy.after_attention(layer, state, mass, step.mask[:, :, -1, :])
+    valid = step.mask[:, :, -1, :]
+    state.count_seen(valid, step.q_len)
+    state.policy.after_attention(layer, state, mass, valid)
     state.step = None  # drop this step's dense K/V
 
 
@@ -49,9 +51,11 @@ def held_mask(attention_mask, pos: torch.Tensor, q_len: int) -> torch.Tensor:
     if attention_mask is None:
         seen = int(pos.max()) + 1 if held else q_len
         q_pos = torch.arange(seen - q_len, seen, device=pos.device)
-        return (pos[:, :, None, :] <= q_pos[:, None]).expand(b, h, q_len, held)
+        live = (pos >= 0)[:, :, None, :]
+        return ((pos[:, :, None, :] <= q_pos[:, None]) & live).expand(b, h, q_len, held)
     m = attention_mask
     if m.dtype != torch.bool:  # an additive float mask: 0 where allowed
         m = m > torch.finfo(m.dtype).min / 2
     m = m.expand(b, h, q_len, m.shape[-1])
-    return m.gather(3, pos[:, :, None, :].expand(b, h, q_len, held).long())
+    idx = pos[:, :, None, :].expand(b, h, q_len, held).long()
+    return m.gather(3, idx.clamp_min(0)) & (idx >= 0)  # dead slots (position -1) stay masked

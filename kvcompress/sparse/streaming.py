@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcompress.config import ConfigError, SparsitySpec
-from kvcompress.sparse.base import SparsePolicy, compact, recent_mask, sink_mask
+from kvcompress.sparse.base import SparsePolicy, evict_rows, newest_real, sink_mask
 
 
 @dataclass
@@ -32,10 +32,10 @@ class StreamingPolicy(SparsePolicy):
 
     def after_attention(self, layer, state, mass, valid):
         held, q = valid.shape[-1], state.step.q_len
-        budget = self.token_budget(layer.cumulative_length)
         slack = 0 if q > 1 else (self.page_size if not layer.compressed else layer.key_store.page_size)
-        if held <= budget + slack:
-            return
-        sinks = min(self.sinks, budget - 1)
-        forced = sink_mask(valid, sinks) | recent_mask(held, budget - sinks, valid)
-        compact(layer, state, torch.zeros(valid.shape, device=valid.device), forced, valid, budget)
+        if held <= self.token_budget(state.least_seen(layer.cumulative_length)) + slack:
+            return  # no row can be over its budget
+        budgets = self.row_budgets(state.seen)  # [B]: what each row alone would get
+        sinks = (budgets - 1).clamp(max=self.sinks)
+        forced = sink_mask(valid, sinks) | newest_real(valid, budgets - sinks)
+        evict_rows(layer, state, torch.zeros(valid.shape, device=valid.device), forced, valid, budgets, slack)
