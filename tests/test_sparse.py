@@ -295,7 +295,10 @@ def test_layers_sharing_the_budget_read_the_even_total_each_step(model):
 
 @pytest.mark.parametrize("method", sorted(SPECS))
 def test_padded_batch_rows_match_rows_alone(model, method):
-    lengths, steps = (40, 24, 32), 12  # padding of 0, 16, 8: whole Quest pages of 8
+    # padding of 0, 16, 8: whole Quest pages of 8. Quest's pages, like a quantized layer's, sit on the batch's
+    # slot grid, so a row equals itself alone where its padding is whole pages; the evicting policies are
+    # checked with uneven padding too (test_padded_rows_evict_as_they_would_alone)
+    lengths, steps = (40, 24, 32), 12
     gen = torch.Generator().manual_seed(3)
     rows = [torch.randint(3, 256, (1, n), generator=gen) for n in lengths]
     width = max(lengths)
