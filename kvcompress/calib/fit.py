@@ -134,7 +134,7 @@ def fit_nuq_tensors(stats: LayerStats, stream: str, bits: int, fraction: float, 
     if axis == "token" and oblivious is not None:
         levels = widen_outer_levels(levels, oblivious)
     out[f"{stream}.codebook"] = levels
-    if fraction > 0:
+    if fraction > 0:  # for inspection: the codec keeps a fixed count per page (config.STREAM_TENSORS)
         out[f"{stream}.outlier_threshold"] = thr.float()
     return out
 
