@@ -201,7 +201,7 @@ def _outlier_mask(fields, shape, page_size) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("axis", ["channel", "token"])
+@pytest.mark.parametrize("axis", ["channel", "token", "page"])
 def test_outliers_come_back_exactly(dtype, axis):
     """In a 16-bit model the outlier side list holds the exact input value at the exact position."""
     x = DATA["heavy"].to(dtype)
@@ -262,6 +262,12 @@ APPEND_CASES = [
     # channel statistics calibrated (shared), so nothing depends on the first flush
     ("nuq4-channel-calibrated-out", NUQ(4, "channel", 0.02), _calibrated_channels()),
     ("nuq2-channel-calibrated-rot", NUQ(2, "channel", rot=True), _calibrated_channels()),
+    # what the presets store: nuq keys on each page's range with one-byte ranges and outliers, nuq4's
+    # Student-t values with e5m2 scales, int2's least-squares key ranges
+    ("nuq4-page-out-e4m3", NUQ(4, "page", 0.01, fmt="e4m3"), {}),
+    ("nuq4-token-student-e5m2", QuantSpec(method="nuq", bits=4, axis="token", codebook="student_t5",
+                                          scale_format="e5m2"), {}),
+    ("int2-channel-mse", INT(2, "channel", "mse"), {}),
 ]
 
 
