@@ -323,9 +323,14 @@ def filled_cache(preset: str, tokens: int, dtype=torch.float32) -> CompressedCac
 # int4 6.69 = codes 3.75 + fp16 scale/zero 0.94 + 128-token residual window 2.0 (ratio 0.209);
 # nuq4 4.91 = codes 3.94 + metadata 0.47 (one-byte key page ranges 0.25, key outliers 0.16, one-byte value
 #             scales 0.06) + window 0.5 (4 sinks + 28 tail tokens) (ratio 0.153; in bf16 4.66 bits, 0.291).
-@pytest.mark.parametrize("preset,max_ratio", [("int4", 0.30), ("nuq4", 0.30)])
-def test_4bit_cache_holds_at_most_30_percent(preset, max_ratio):
-    report = filled_cache(preset, 2048).memory_report()
+# In a bf16 model the uncompressed cache is half the bytes, so the same bar is stricter: nuq4 holds 0.291;
+# int4 0.355 (KIVI's 128-token window in bf16 alone is 0.0625 of the cache at 2048 tokens), not a 4-bit
+# cache by this measure at that length, so it is checked in float32 only.
+@pytest.mark.parametrize("preset,max_ratio,dtype", [
+    ("int4", 0.30, torch.float32), ("nuq4", 0.30, torch.float32), ("nuq4", 0.30, torch.bfloat16),
+])
+def test_4bit_cache_holds_at_most_30_percent(preset, max_ratio, dtype):
+    report = filled_cache(preset, 2048, dtype).memory_report()
     ratio = report["held_bytes"] / report["uncompressed_bytes"]
     assert ratio <= max_ratio, f"{preset}: {ratio:.3f} of the uncompressed bytes ({report['bits_per_element']:.2f} bits)"
     assert report["held_bytes"] == report["payload_bytes"] + report["metadata_bytes"] + report["window_bytes"]
