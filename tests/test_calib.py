@@ -428,3 +428,22 @@ def test_calibrate_cli_refuses_bad_settings_before_loading(args, message, tmp_pa
     assert res.exit_code != 0
     assert message in res.output
     assert not out.exists()
+
+
+def test_calibration_progress_in_a_log_is_lines(calib_text, capsys):
+    """Where stderr is not a terminal, calibrate reports its phases as lines (as eval does), not tqdm's
+    carriage-return redraws, which a log shows as one unreadable line."""
+    from conftest import make_tiny_model
+
+    from kvcompress.calib.calibrate import _bar
+
+    model = make_tiny_model("llama", num_hidden_layers=2)
+    settings = CalibrationSettings(samples=2, seq_len=64, batch_size=1, sample_tokens=64)
+    calibrate(model, _ByteTokenizer(), calib_text, settings, progress=True)
+    bar = _bar(3, "sensitivity", True)
+    for _ in range(3):
+        bar.update(1)
+    bar.close()
+    err = capsys.readouterr().err
+    assert "\r" not in err
+    assert "calibrating: tokens: 128/128 (100 %)" in err and "sensitivity: 3/3 (100 %)" in err

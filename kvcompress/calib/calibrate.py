@@ -25,6 +25,7 @@ from kvcompress.calib.candidates import LayerFits, with_fp8_scales
 from kvcompress.calib.collect import CollectSettings, calibration_windows, collect
 from kvcompress.calib.mixed import mixed_layers
 from kvcompress.config import FP8_SHIFT_DEFAULT, FP8_SHIFTS, ConfigError, KVCompressConfig, LayerPolicy
+from kvcompress.evaluation.progress import progress_display
 from kvcompress.layout.arch import ModelLayout
 from kvcompress.presets import build_preset, preset_names
 
@@ -164,8 +165,19 @@ def _preset_layers(fits: list[LayerFits], layout: ModelLayout, preset: str) -> l
 
 
 def _bar(total: int, desc: str, progress: bool):
-    if not progress:
-        return None
-    from tqdm.auto import tqdm
+    """A bar for mixed_layers' `update(n)` / `close()`: progress_display's (a rich bar on a terminal, lines
+    in a log), or None."""
+    return _Steps(total, desc) if progress else None
 
-    return tqdm(total=total, desc=desc, unit="layer")
+
+class _Steps:
+    def __init__(self, total: int, desc: str):
+        self._scope = progress_display(True)
+        self._bar = self._scope.__enter__()
+        self._task = self._bar.add_task(desc, total=total)
+
+    def update(self, n: int = 1) -> None:
+        self._bar.advance(self._task, n)
+
+    def close(self) -> None:
+        self._scope.__exit__(None, None, None)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvcompress.config import ConfigError
+from kvcompress.evaluation.progress import progress_display
 from kvcompress.layout.arch import ModelLayout
 
 WEIGHTINGS = ("attention", "none")
@@ -191,13 +192,9 @@ def collect(model, windows: torch.Tensor, settings: CollectSettings, progress: b
 
     base = getattr(model, "base_model", model)
     batches = range(n_batches)
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=windows.numel(), desc="calibrating", unit="tok", unit_scale=True)
     ctx = record_queries(model, sink) if use_queries else contextlib.nullcontext()
-    with ctx, torch.inference_mode():
+    with progress_display(progress) as bar, ctx, torch.inference_mode():
+        task = bar.add_task("calibrating: tokens", total=windows.numel()) if bar else None
         for bi in batches:
             ids = windows[bi * settings.batch_size : (bi + 1) * settings.batch_size].to(device)
             state.clear()
@@ -208,9 +205,7 @@ def collect(model, windows: torch.Tensor, settings: CollectSettings, progress: b
                 _accumulate(running[i], layer.keys, layer.values, state.get(i), pick, settings)
             del cache
             if bar is not None:
-                bar.update(ids.numel())
-    if bar is not None:
-        bar.close()
+                bar.advance(task, ids.numel())
     return [_finish(r, settings) for r in running]
 
 

@@ -1,4 +1,4 @@
-"""The progress display of `kvcompress eval`: a rich bar on a terminal, plain lines anywhere else.
+"""The progress display of `kvcompress eval` and `calibrate`: a rich bar on a terminal, plain lines anywhere else.
 
 rich draws nothing while its console is not a terminal (a batch job's log, `eval ... > log 2>&1`, a
 process on a remote machine), so a run of many minutes would print nothing before its table. There the
