@@ -48,6 +48,7 @@ class H2OPolicy(SparsePolicy):
 
     def after_attention(self, layer, state, mass, valid):
         held, q = valid.shape[-1], state.step.q_len
+        state.count_seen(valid, q)  # every step: the rows' budgets follow their real tokens
         old = state.scores if state.scores is not None else mass.new_zeros(mass.shape[:2] + (held - q,))
         state.scores = torch.cat([old, old.new_zeros(old.shape[:2] + (q,))], dim=2) + mass.float()
         slack = 0 if q > 1 else (self.page_size if not layer.compressed else layer.key_store.page_size)

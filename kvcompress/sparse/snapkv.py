@@ -41,6 +41,7 @@ class SnapKVPolicy(SparsePolicy):
 
     def after_attention(self, layer, state, mass, valid):
         held, q = valid.shape[-1], state.step.q_len
+        state.count_seen(valid, q)  # every step: the rows' budgets follow their real tokens
         if q == 1 or held <= self.token_budget(state.least_seen(layer.cumulative_length)):
             return
         budgets = self.row_budgets(state.seen)  # [B]: what each row alone would get

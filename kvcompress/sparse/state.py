@@ -62,7 +62,8 @@ class SparseState:
         self.page_max: torch.Tensor | None = None
         self.pending_keys: torch.Tensor | None = None
         self.step: StepInputs | None = None
-        self.seen: torch.Tensor | None = None  # [B] real tokens each row has seen (its padding left out)
+        # [B] real tokens each row has seen (its padding left out), counted by the policies that evict
+        self.seen: torch.Tensor | None = None
         # padding slots a row has at most (host int, counted on steps of several tokens: a prefill's padding;
         # decode tokens count as real), so the cheap check "no row can be over budget" needs no sync per step
         self.pad_max = 0

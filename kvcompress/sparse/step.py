@@ -39,9 +39,7 @@ def finish_sparse_step(layer, mass) -> None:
     held = step.mask.shape[-1]
     state.read_held, state.read_index = held, step.index
     state.read_body = (layer.sink_k.shape[2], layer.key_store.n_tokens) if layer.compressed else (0, held)
-    valid = step.mask[:, :, -1, :]
-    state.count_seen(valid, step.q_len)
-    state.policy.after_attention(layer, state, mass, valid)
+    state.policy.after_attention(layer, state, mass, step.mask[:, :, -1, :])
     state.step = None  # drop this step's dense K/V
 
 

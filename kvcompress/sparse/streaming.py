@@ -32,6 +32,7 @@ class StreamingPolicy(SparsePolicy):
 
     def after_attention(self, layer, state, mass, valid):
         held, q = valid.shape[-1], state.step.q_len
+        state.count_seen(valid, q)  # every step: the rows' budgets follow their real tokens
         slack = 0 if q > 1 else (self.page_size if not layer.compressed else layer.key_store.page_size)
         if held <= self.token_budget(state.least_seen(layer.cumulative_length)) + slack:
             return  # no row can be over its budget
