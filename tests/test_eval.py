@@ -267,6 +267,13 @@ def test_line_progress_logs_each_phase_and_at_most_one_line_per_interval():
         "nuq4: perplexity: 50/100 (50 %) after 0:00:50, about 0:00:50 left",
         "nuq4: perplexity: 100/100 (100 %) after 0:00:55",
     ]
+    out = io.StringIO()  # a last advance that drew its line is not repeated at the end
+    with LineProgress(out, every_s=30.0, clock=lambda: now[0]) as bar:
+        task = bar.add_task("calibrating: tokens", total=2)
+        bar.advance(task)
+        now[0] += 31.0
+        bar.advance(task)
+    assert out.getvalue().splitlines() == ["calibrating: tokens: 2/2 (100 %) after 0:00:31"]
     assert isinstance(progress_display(True, stream=io.StringIO()), LineProgress)
     with progress_display(False) as bar:
         assert bar is None

@@ -42,13 +42,14 @@ class LineProgress:
         self.stream, self.every_s, self.clock = stream, every_s, clock
         self.description, self.total, self.done = "", 0, 0
         self.start = self.last = clock()
+        self.shown: tuple[str, int] | None = None  # (description, done) of the last line
 
     def __enter__(self) -> "LineProgress":
         return self
 
     def __exit__(self, *exc) -> None:
-        if exc[0] is None and self.total:
-            self._line()
+        if exc[0] is None and self.total and self.shown != (self.description, self.done):
+            self._line()  # the last count, unless the last line already said it
 
     def add_task(self, description: str, total: int) -> int:
         self.description, self.total, self.done = description, int(total), 0
@@ -67,7 +68,7 @@ class LineProgress:
 
     def _line(self) -> None:
         now = self.clock()
-        self.last = now
+        self.last, self.shown = now, (self.description, self.done)
         elapsed = now - self.start
         share = self.done / self.total if self.total else 0.0
         left = f", about {_clock(elapsed * (1 - share) / share)} left" if 0 < share < 1 else ""
