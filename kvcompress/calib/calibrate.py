@@ -141,12 +141,10 @@ def config_from_stats(stats, layout: ModelLayout, dtype: torch.dtype, settings: 
     if settings.has_budget:
         target = target_bits_for(settings, layout, dtype)
         n_full = sum(not layout.is_sliding(i) for i in range(layout.num_layers))
-        bar = _bar(n_full, "sensitivity", progress)
-        try:
-            layers, notes["allocation"] = mixed_layers(fits, layout, settings, target, dtype, bar)
-        finally:
-            if bar is not None:
-                bar.close()
+        with progress_display(progress) as bar:
+            task = bar.add_task("sensitivity", total=n_full) if bar is not None else None
+            step = (lambda: bar.advance(task, 1)) if bar is not None else None
+            layers, notes["allocation"] = mixed_layers(fits, layout, settings, target, dtype, step)
         name = f"calibrated-mixed-{target:.2f}b"
     else:
         layers = _preset_layers(fits, layout, settings.preset)
@@ -162,22 +160,3 @@ def _preset_layers(fits: list[LayerFits], layout: ModelLayout, preset: str) -> l
         tensors = {**fits[i].spec_tensors(policy.key, "key"), **fits[i].spec_tensors(policy.value, "value")}
         layers.append(with_fp8_scales(replace(policy, tensors=tensors), fits[i]))
     return layers
-
-
-def _bar(total: int, desc: str, progress: bool):
-    """A bar for mixed_layers' `update(n)` / `close()`: progress_display's (a rich bar on a terminal, lines
-    in a log), or None."""
-    return _Steps(total, desc) if progress else None
-
-
-class _Steps:
-    def __init__(self, total: int, desc: str):
-        self._scope = progress_display(True)
-        self._bar = self._scope.__enter__()
-        self._task = self._bar.add_task(desc, total=total)
-
-    def update(self, n: int = 1) -> None:
-        self._bar.advance(self._task, n)
-
-    def close(self) -> None:
-        self._scope.__exit__(None, None, None)

@@ -28,8 +28,9 @@ from kvcompress.config import ConfigError, LayerPolicy
 EVICTION_PROBE = ("nuq4", "nuq4")
 
 
-def mixed_layers(fits, layout, settings, target: float, dtype, bar=None):
-    """(layers, notes): the mixed config's LayerPolicies and what the allocation chose and measured."""
+def mixed_layers(fits, layout, settings, target: float, dtype, on_layer=None):
+    """(layers, notes): the mixed config's LayerPolicies and what the allocation chose and measured.
+    on_layer: called with no argument after each full-attention layer's sensitivity is measured (progress)."""
     ctx, batch = settings.context, settings.batch
     itemsize = torch.finfo(dtype).bits / 8
     elements = sum(uncompressed_layer_bytes(layout, i, ctx, batch, dtype) for i in range(layout.num_layers)) / itemsize
@@ -51,8 +52,8 @@ def mixed_layers(fits, layout, settings, target: float, dtype, bar=None):
                 continue
             opts.append(Option(_name(kc, vc, r), layer_bytes(policy, layout, i, ctx, batch, dtype), loss))
         items.append(opts)
-        if bar is not None:
-            bar.update(1)
+        if on_layer is not None:
+            on_layer()
     if fixed >= budget:
         raise ConfigError(
             f"--target-bits {target:.3f} is below what the sliding-window layers need at {ctx} tokens; raise "

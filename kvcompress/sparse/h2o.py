@@ -48,13 +48,13 @@ class H2OPolicy(SparsePolicy):
 
     def after_attention(self, layer, state, mass, valid):
         held, q = valid.shape[-1], state.step.q_len
-        state.count_seen(valid, q)  # every step: the rows' budgets follow their real tokens
+        state.count_padding(valid, q)  # the rows' budgets follow their real tokens
         old = state.scores if state.scores is not None else mass.new_zeros(mass.shape[:2] + (held - q,))
         state.scores = torch.cat([old, old.new_zeros(old.shape[:2] + (q,))], dim=2) + mass.float()
         slack = 0 if q > 1 else (self.page_size if not layer.compressed else layer.key_store.page_size)
         if held <= self.token_budget(state.least_seen(layer.cumulative_length)) + slack:
             return  # no row can be over its budget (the smallest is at least this)
-        budgets = self.row_budgets(state.seen)  # [B]: what each row alone would get
+        budgets = self.row_budgets(state.seen_rows(layer.cumulative_length, valid))  # [B]: what each row alone would get
         window = budgets.clamp(max=self.recent) if self.recent else budgets // 2
         forced = newest_real(valid, window)
         if self.sinks:

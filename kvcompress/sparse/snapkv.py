@@ -41,10 +41,10 @@ class SnapKVPolicy(SparsePolicy):
 
     def after_attention(self, layer, state, mass, valid):
         held, q = valid.shape[-1], state.step.q_len
-        state.count_seen(valid, q)  # every step: the rows' budgets follow their real tokens
+        state.count_padding(valid, q)  # the rows' budgets follow their real tokens
         if q == 1 or held <= self.token_budget(state.least_seen(layer.cumulative_length)):
             return
-        budgets = self.row_budgets(state.seen)  # [B]: what each row alone would get
+        budgets = self.row_budgets(state.seen_rows(layer.cumulative_length, valid))  # [B]: what each row alone would get
         b, h, n = mass.shape
         pooled = F.avg_pool1d(
             mass.float().reshape(b * h, 1, n), self.pool_kernel, stride=1, padding=self.pool_kernel // 2

@@ -62,10 +62,10 @@ class SparseState:
         self.page_max: torch.Tensor | None = None
         self.pending_keys: torch.Tensor | None = None
         self.step: StepInputs | None = None
-        # [B] real tokens each row has seen (its padding left out), counted by the policies that evict
-        self.seen: torch.Tensor | None = None
-        # padding slots a row has at most (host int, counted on steps of several tokens: a prefill's padding;
-        # decode tokens count as real), so the cheap check "no row can be over budget" needs no sync per step
+        # [B] padding slots each row has, counted by the policies that evict on steps of several tokens (a
+        # prefill's padding; a decode token counts as real), so a decode step adds no work on the device
+        self.pad: torch.Tensor | None = None
+        # the most padding any row has (host int), so the cheap check "no row can be over budget" needs no sync
         self.pad_max = 0
         self.read_held = 0  # tokens held at the last step
         # the last step's selection [B, H, n] (None: everything) and the packed body's (first, count) then;
@@ -106,13 +106,20 @@ class SparseState:
         self.step = StepInputs(keys=keys, values=values, q_len=q)
         _local.pending = layer
 
-    def count_seen(self, valid: torch.Tensor, q: int) -> torch.Tensor:
-        """Add the step's real tokens (valid [B, H, held] of its last query, the q new ones last) to `seen`."""
-        new = valid[:, 0, valid.shape[-1] - q:].sum(-1)
-        self.seen = new if self.seen is None else self.seen + new
-        if q > 1:
-            self.pad_max += int((q - new).max())
-        return self.seen
+    def count_padding(self, valid: torch.Tensor, q: int) -> None:
+        """Add a step's padding to `pad` (valid [B, H, held] of its last query, the q new ones last); a decode
+        step (q == 1) has none."""
+        if q == 1:
+            return
+        new = q - valid[:, 0, valid.shape[-1] - q:].sum(-1)
+        self.pad = new if self.pad is None else self.pad + new
+        self.pad_max = int(self.pad.max())
+
+    def seen_rows(self, seen_slots: int, like: torch.Tensor) -> torch.Tensor:
+        """[B] real tokens each row has seen: the slots seen (the layer's cumulative length) less its padding."""
+        if self.pad is None:
+            return torch.full((like.shape[0],), seen_slots, dtype=torch.long, device=like.device)
+        return seen_slots - self.pad
 
     def least_seen(self, seen_slots: int) -> int:
         """A lower bound on the real tokens any row has seen, without reading the device: the slots seen less
@@ -122,8 +129,7 @@ class SparseState:
     def kill(self, dead: torch.Tensor) -> None:
         """Mask held slots dead [B, H, held] from now on (position -1): a padded batch's row evicted them
         while another row still needs the slot."""
-        if bool(dead.any()):
-            self.pos = self.pos.masked_fill(dead, -1)
+        self.pos = self.pos.masked_fill(dead, -1)  # unconditional: testing dead.any() would wait on the device
 
     def positions(self, held: int, like: torch.Tensor) -> torch.Tensor:
         """[B, H, held] positions of the held tokens."""
@@ -155,7 +161,7 @@ class SparseState:
 
     # -- batch edits and accounting ----------------------------------------------------------
     def map_batch(self, fn) -> None:
-        for name in ("pos", "scores", "log_size", "page_min", "page_max", "pending_keys", "seen"):
+        for name in ("pos", "scores", "log_size", "page_min", "page_max", "pending_keys", "pad"):
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, fn(t))

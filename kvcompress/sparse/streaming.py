@@ -32,11 +32,11 @@ class StreamingPolicy(SparsePolicy):
 
     def after_attention(self, layer, state, mass, valid):
         held, q = valid.shape[-1], state.step.q_len
-        state.count_seen(valid, q)  # every step: the rows' budgets follow their real tokens
+        state.count_padding(valid, q)  # the rows' budgets follow their real tokens
         slack = 0 if q > 1 else (self.page_size if not layer.compressed else layer.key_store.page_size)
         if held <= self.token_budget(state.least_seen(layer.cumulative_length)) + slack:
             return  # no row can be over its budget
-        budgets = self.row_budgets(state.seen)  # [B]: what each row alone would get
+        budgets = self.row_budgets(state.seen_rows(layer.cumulative_length, valid))  # [B]: what each row alone would get
         sinks = (budgets - 1).clamp(max=self.sinks)
         forced = sink_mask(valid, sinks) | newest_real(valid, budgets - sinks)
         evict_rows(layer, state, torch.zeros(valid.shape, device=valid.device), forced, valid, budgets, slack)
