@@ -38,7 +38,7 @@ BUDGET_SHARING = ("none", "heads", "layers")  # SparsitySpec.budget_sharing (Que
 # outlier list has one size the fused kernels can read, and a page of unusual tokens still keeps its largest.
 STREAM_TENSORS = (
     "codebook", "scale", "channel_mean", "channel_scale", "outlier_threshold", "rotation_signs", "fp8_scale",
-    "shift",
+    "shift", "outlier_weight",
 )
 LAYER_TENSORS = ()
 _TENSOR_KEY = re.compile(r"^layers\.(\d+)\.(key|value)\.([a-z][a-z0-9_]*)$")

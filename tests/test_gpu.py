@@ -214,7 +214,7 @@ def test_page_encode_bit_exact(spec):
         assert torch.equal(want[name], got[name]), name
 
 
-@pytest.mark.parametrize("preset", ["nuq4", "nuq3", "nuq2", "k8v4", "int2"])
+@pytest.mark.parametrize("preset", ["nuq4", "nuq3", "nuq2", "k8v4", "int2", "nuq4-weighted-outliers"])
 def test_graphed_page_encode_is_bit_exact(preset, monkeypatch):
     """A layer of each preset whose pages the torch encode codes (NUQ with outliers and rotations, FP8 keys
     beside NUQ values, int2's fitted key ranges), at Llama-8B layer size in bf16: 200-token prefill, then 200
@@ -226,7 +226,14 @@ def test_graphed_page_encode_is_bit_exact(preset, monkeypatch):
 
     if DEV != "cuda":
         pytest.skip("CUDA graphs need a GPU")
-    policy = KVCompressConfig.from_preset(preset, ModelLayout("llama", 1, 8, 128, 128, ("full_attention",))).layers[0]
+    from dataclasses import replace
+
+    weighted = preset.endswith("-weighted-outliers")  # key outliers picked by calibrated channel weights
+    layout = ModelLayout("llama", 1, 8, 128, 128, ("full_attention",))
+    policy = KVCompressConfig.from_preset(preset.removesuffix("-weighted-outliers"), layout).layers[0]
+    if weighted:
+        w = torch.rand(8, 128, generator=torch.Generator().manual_seed(5)).pow(4).half()
+        policy = replace(policy, tensors={**policy.tensors, "key.outlier_weight": w})
     g = torch.Generator().manual_seed(31)
     k = (torch.randn(4, 8, 400, 128, generator=g) * torch.logspace(-2, 1, 128)).bfloat16().to(DEV)
     v = torch.randn(4, 8, 400, 128, generator=g).bfloat16().to(DEV)
@@ -712,8 +719,13 @@ def test_smollm2_triton_steps_equal_torch_steps(smollm2_cuda, preset, monkeypatc
 
 
 @torch.no_grad()
-def test_calibrated_evicting_mixed_config_triton_steps_equal_torch_steps(monkeypatch):
-    """A `calibrate --keep-ratios` config (per-layer nuq bits, H2O in some layers) on a tiny Llama: 1000
+@pytest.mark.parametrize("settings", [
+    dict(target_bits=3.0, context=1024, keep_ratios=(0.5, 0.25)),
+    dict(preset="nuq4"),
+])
+def test_calibrated_evicting_mixed_config_triton_steps_equal_torch_steps(settings, monkeypatch):
+    """A `calibrate --keep-ratios` config (per-layer nuq bits, H2O in some layers), and a calibrated nuq4
+    (key outliers picked by channel weights, values fitted or rotated per layer), on a tiny Llama: 1000
     prompt tokens, 24 greedy steps on the torch path; the Triton path teacher-forced on those tokens gives
     the same logits (fp32 model) and the same argmax, and holds the same bytes (the same tokens evicted)."""
     import importlib.resources
@@ -725,9 +737,11 @@ def test_calibrated_evicting_mixed_config_triton_steps_equal_torch_steps(monkeyp
 
     model = make_tiny_model("llama", num_hidden_layers=4, head_dim=64)
     text = (importlib.resources.files("kvcompress") / "data" / "calib.txt").read_text()[:6000]
-    cfg = calibrate(model, _ByteTokenizer(), text, CalibrationSettings(
-        target_bits=3.0, context=1024, keep_ratios=(0.5, 0.25), **TEXT_SAMPLES), progress=False)
-    assert {p.sparsity.method for p in cfg.layers} >= {"h2o"}
+    cfg = calibrate(model, _ByteTokenizer(), text, CalibrationSettings(**settings, **TEXT_SAMPLES), progress=False)
+    if "keep_ratios" in settings:
+        assert {p.sparsity.method for p in cfg.layers} >= {"h2o"}
+    else:
+        assert all("key.outlier_weight" in p.tensors for p in cfg.layers)
     model = model.to(DEV)
     ids = torch.randint(3, 256, (1, 1000), generator=torch.Generator().manual_seed(0)).to(DEV)
 

@@ -549,3 +549,81 @@ def test_rotation_of_signs_made_in_inference_mode():
     with torch.inference_mode():
         torch.testing.assert_close(rotate_in(x, signs), rotate(x, signs))
     assert rotation_as(signs, torch.float32) is rotation_as(signs, torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# key outliers picked by calibrated channel weights (quant/outlier_select.py)
+
+
+def _weighted_range_sq(x: torch.Tensor, mask: torch.Tensor, w: torch.Tensor, page_size: int) -> torch.Tensor:
+    """sum_c w_c (range_c of the coded elements)^2 per page: [B, H, pages]."""
+    b, h, n, d = x.shape
+    xp, mp = x.reshape(b, h, n // page_size, page_size, d), mask.reshape(b, h, n // page_size, page_size, d)
+    lo = torch.where(mp, float("inf"), xp).amin(3)
+    hi = torch.where(mp, float("-inf"), xp).amax(3)
+    return (w[None, :, None] * (hi - lo).square()).sum(-1)
+
+
+def _channel_weights(heads: int, dim: int) -> torch.Tensor:
+    """Query energies that favour a few channels (as SmolLM2's do), heavy channels among the light ones."""
+    g = torch.Generator().manual_seed(7)
+    return torch.rand(heads, dim, generator=g).pow(4) * 10 + 0.01
+
+
+def test_weighted_outliers_shrink_the_query_weighted_ranges():
+    """With channel weights, each page keeps the same number of outliers exactly, each channel codes at
+    least two elements, and sum_c w_c range_c^2 of what is coded is below the z-score picks' on every page
+    (measured: 14 % to 56 % of it on this data) and below no outliers at all."""
+    from kvcompress.quant.outlier_select import weighted_range_outliers
+
+    x, page = DATA["heavy"], 32
+    w = _channel_weights(x.shape[1], x.shape[-1])
+    spec = QuantSpec(method="nuq", bits=4, axis="page", outlier_fraction=0.01, scale_format="e4m3")
+    _, plain = round_trip(spec, page, x)
+    codec = codec_for(spec, page, x, {"outlier_weight": w})
+    weighted = codec.encode(x, codec.prepare(x))
+    m_plain, m_w = _outlier_mask(plain, x.shape, page), _outlier_mask(weighted, x.shape, page)
+    per_page = m_w.reshape(*x.shape[:2], -1, page * x.shape[-1]).sum(-1)
+    assert (per_page == codec.n_outliers).all()
+    b, h, n, d = x.shape
+    kept = (~m_w).reshape(b, h, n // page, page, d).sum(3)
+    assert kept.min() >= 2
+    obj_w, obj_plain = _weighted_range_sq(x, m_w, w, page), _weighted_range_sq(x, m_plain, w, page)
+    assert (obj_w < obj_plain).all(), f"worst page {float((obj_w / obj_plain).max()):.3f} of the z-score picks'"
+    assert (obj_w < _weighted_range_sq(x, torch.zeros_like(m_w), w, page)).all()
+    # the direct call agrees with what the codec stored
+    direct = weighted_range_outliers(x.reshape(b, h, n // page, page, d).float(), w, codec.n_outliers)
+    assert torch.equal(direct.reshape(x.shape), m_w)
+
+
+def test_weighted_outliers_lower_the_logit_error_and_come_back_exactly():
+    """Queries whose energy follows the weights see a smaller logit error through keys coded with weighted
+    outliers than with z-score ones (measured 6.4 dB lower); the outliers still decode exactly."""
+    x, page = DATA["heavy"].to(torch.bfloat16), 32
+    w = _channel_weights(x.shape[1], x.shape[-1])
+    q = torch.randn(x.shape[0], x.shape[1], 64, x.shape[-1], generator=torch.Generator().manual_seed(3)) * w.sqrt()[None, :, None]
+    spec = QuantSpec(method="nuq", bits=4, axis="page", outlier_fraction=0.01, scale_format="e4m3")
+    y_plain, _ = round_trip(spec, page, x)
+    codec = codec_for(spec, page, x, {"outlier_weight": w})
+    row = codec.prepare(x)
+    fields = codec.encode(x, row)
+    y_w = codec.decode(fields, row, x.dtype)
+    mask = _outlier_mask(fields, x.shape, page)
+    assert torch.equal(y_w[mask], x[mask])
+    want = q @ x.float().transpose(-1, -2)
+    err = lambda y: float((q @ y.float().transpose(-1, -2) - want).pow(2).mean())  # noqa: E731
+    gain_db = 10 * torch.log10(torch.tensor(err(y_plain) / err(y_w)))
+    assert gain_db > 1.0, f"weighted outliers: {float(gain_db):.2f} dB"
+
+
+@pytest.mark.parametrize("spec, shape, message", [
+    (QuantSpec(method="nuq", bits=4, axis="token", codebook="student_t5"), (2, 64), "axis='page'"),
+    (QuantSpec(method="nuq", bits=4, axis="page"), (2, 64), "outlier_fraction > 0"),
+    (QuantSpec(method="nuq", bits=4, axis="page", outlier_fraction=0.01), (3, 64), "another model"),
+])
+def test_outlier_weights_where_nothing_reads_them_are_refused(spec, shape, message):
+    from kvcompress.config import ConfigError
+
+    x = DATA["heavy"][:, :2]
+    with pytest.raises(ConfigError, match=message):
+        codec_for(spec, 32, x, {"outlier_weight": torch.ones(shape)})

@@ -5,7 +5,9 @@
     cfg.save("smollm2.safetensors")
 
 Without a budget, the base preset keeps its per-layer methods and gets calibrated tensors (NUQ
-codebooks, key channel statistics, outlier thresholds, static FP8 scales). With --target-bits or
+codebooks, key channel statistics, the queries' channel weights that pick key page outliers, outlier
+thresholds, static FP8 scales); per-token nuq values are fitted, or rotated onto Gaussian levels where the
+probe's attention error says so (calib/value_choice.py). With --target-bits or
 --memory-budget every full-attention layer's keys and values each get one of fp8 / nuq4 / nuq3 / nuq2,
 chosen by the allocation so the all-in bits per element at `context` tokens meet the budget with the
 least total sensitivity (calib/mixed.py); with `keep_ratios` a layer may also evict with H2O, keeping that
@@ -24,6 +26,7 @@ from kvcompress.calib.bits import uncompressed_layer_bytes
 from kvcompress.calib.candidates import LayerFits, with_fp8_scales
 from kvcompress.calib.collect import CollectSettings, calibration_windows, collect
 from kvcompress.calib.mixed import mixed_layers
+from kvcompress.calib.value_choice import choose_values
 from kvcompress.config import FP8_SHIFT_DEFAULT, FP8_SHIFTS, ConfigError, KVCompressConfig, LayerPolicy
 from kvcompress.evaluation.progress import progress_display
 from kvcompress.layout.arch import ModelLayout
@@ -147,16 +150,21 @@ def config_from_stats(stats, layout: ModelLayout, dtype: torch.dtype, settings: 
             layers, notes["allocation"] = mixed_layers(fits, layout, settings, target, dtype, step)
         name = f"calibrated-mixed-{target:.2f}b"
     else:
-        layers = _preset_layers(fits, layout, settings.preset)
+        layers, notes["value_choice"] = _preset_layers(fits, layout, settings.preset)
         name = f"calibrated-{settings.preset}"
     return KVCompressConfig(layout=layout, layers=layers, name=name, notes=notes)
 
 
-def _preset_layers(fits: list[LayerFits], layout: ModelLayout, preset: str) -> list[LayerPolicy]:
-    """The base preset's policies with calibrated tensors for every stream that takes them."""
+def _preset_layers(fits: list[LayerFits], layout: ModelLayout, preset: str) -> tuple[list[LayerPolicy], dict]:
+    """The base preset's policies with calibrated tensors for every stream that takes them, nuq values fitted
+    or rotated per layer (value_choice.py); and per layer what was chosen, with the probe's two losses."""
     base = build_preset(preset, layout)
-    layers = []
+    layers, chosen = [], {}
     for i, policy in enumerate(base.layers):
-        tensors = {**fits[i].spec_tensors(policy.key, "key"), **fits[i].spec_tensors(policy.value, "value")}
+        values = fits[i].spec_tensors(policy.value, "value")
+        policy, values, choice, losses = choose_values(policy, fits[i], values)
+        if losses:
+            chosen[str(i)] = {"values": choice, **{k: float(f"{v:.4g}") for k, v in losses.items()}}
+        tensors = {**fits[i].spec_tensors(policy.key, "key"), **values}
         layers.append(with_fp8_scales(replace(policy, tensors=tensors), fits[i]))
-    return layers
+    return layers, chosen

@@ -69,6 +69,7 @@ class LayerStats:
     probe_k: torch.Tensor  # [1, H, P, Dk] first window, as cached
     probe_v: torch.Tensor  # [1, H, P, Dv]
     probe_q: torch.Tensor | None = None  # [1, Hq, P, Dk] (None when the cache holds something else, e.g. MLA)
+    query_energy: torch.Tensor | None = None  # [H, Dk] mean q_c^2 over the group's query heads (None: as probe_q)
     scaling: float = 1.0
     tokens: int = 0
 
@@ -86,6 +87,8 @@ class _Running:
     values: list = field(default_factory=list)
     key_weight: list = field(default_factory=list)
     value_weight: list = field(default_factory=list)
+    query_sq: torch.Tensor | None = None  # [H, Dk] sum of q^2 over the group's heads and positions
+    query_count: int = 0
     probe: dict = field(default_factory=dict)
 
 
@@ -186,6 +189,11 @@ def collect(model, windows: torch.Tensor, settings: CollectSettings, progress: b
             return
         if weighted:
             state[layer_idx] = attention_importance(query, key, scaling, settings.query_stride)
+        r = running[layer_idx]
+        b, hq, t, d = query.shape
+        sq = query.float().pow(2).sum((0, 2)).reshape(key.shape[1], hq // key.shape[1], d).sum(1)  # [H, D]
+        r.query_sq = sq if r.query_sq is None else r.query_sq + sq
+        r.query_count += b * t * (hq // key.shape[1])
         if not running[layer_idx].probe:
             p = min(settings.probe_tokens, query.shape[2])
             running[layer_idx].probe.update(q=query[:1, :, :p].float().cpu(), scaling=scaling)
@@ -258,4 +266,6 @@ def _finish(r: _Running, settings: CollectSettings) -> LayerStats:
         probe_q=q if q is not None and q.shape[2] == r.probe["k"].shape[2] else None,
         scaling=r.probe.get("scaling", 1.0),
         tokens=r.count,
+        query_energy=(r.query_sq / r.query_count).cpu() if r.query_sq is not None and r.query_sq.shape[-1] == mean.shape[-1]
+        else None,
     )

@@ -122,7 +122,11 @@ def fit_nuq_tensors(stats: LayerStats, stream: str, bits: int, fraction: float, 
     if axis == "page":
         # Keys coded on each page's own range keep the codec's uniform levels: calibration samples are
         # scattered tokens, not pages, and on SmolLM2 keys k-means levels fitted in the page-range
-        # domain measured 0.7-0.9 dB below the uniform grid (whose ends sit on the range).
+        # domain measured 0.7-0.9 dB below the uniform grid (whose ends sit on the range). What calibration
+        # gives them is which channels the queries read most, for picking each page's outliers
+        # (quant/outlier_select.py).
+        if stream == "key" and fraction > 0 and stats.query_energy is not None:
+            out["key.outlier_weight"] = outlier_weights(stats.query_energy)
         return out
     if axis == "channel":
         u, keep, w, thr = normalised_per_channel(stats, stream, fraction)
@@ -160,3 +164,10 @@ def fp8_scales(amax: torch.Tensor, fmt: str = "e4m3", headroom: float = FP8_HEAD
     """Static FP8 scales [H] float32: headroom * amax / the format's max (448 for e4m3); dequant = fp8 * scale."""
     fmax = float(torch.finfo(FP8_DTYPES[fmt]).max)
     return (headroom * amax.float() / fmax).clamp_min(1e-8)
+
+
+def outlier_weights(query_energy: torch.Tensor) -> torch.Tensor:
+    """Per-channel query energies [H, D] -> the key codec's outlier weights [H, D] float16, each head's mean 1
+    (only their ratios within a head matter; float16 halves what every layer holds)."""
+    e = query_energy.float().clamp_min(0)
+    return (e / e.mean(-1, keepdim=True).clamp_min(1e-12)).to(torch.float16)

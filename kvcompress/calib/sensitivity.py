@@ -40,8 +40,14 @@ def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
 
 def stream_sensitivity(fits: LayerFits, stream: str, choice: str) -> float:
     """Loss of the layer with only `stream` ("key" / "value") stored as `choice` (the other exact)."""
-    s = fits.stats
     spec, tensors = fits.choice(choice, stream)
+    return spec_sensitivity(fits, stream, spec, tensors)
+
+
+def spec_sensitivity(fits: LayerFits, stream: str, spec: QuantSpec, tensors: dict) -> float:
+    """Loss of the layer with only `stream` stored as `spec` with its calibrated `tensors` ("value.codebook",
+    ...), the other stream exact."""
+    s = fits.stats
     exact = QuantSpec()
     policy = LayerPolicy(
         key=spec if stream == "key" else exact,

@@ -59,6 +59,7 @@ def make_codec(
             rotation_signs=signs if spec.rotation else None,
             channel_mean=tensors.get("channel_mean"),
             channel_scale=tensors.get("channel_scale"),
+            outlier_weight=tensors.get("outlier_weight"),
             outlier_dtype=torch.bfloat16 if dtype == torch.bfloat16 else torch.float16,
             **common,
         )

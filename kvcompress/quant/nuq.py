@@ -29,8 +29,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvcompress.config import ConfigError
 from kvcompress.quant.base import Codec, FieldKind, Role
 from kvcompress.quant.codebook import default_codebook, nearest_level
+from kvcompress.quant.outlier_select import weighted_range_outliers
 from kvcompress.quant.pack import pack, packed_width, unpack
 from kvcompress.quant.page_range import ZERO_TOKEN, as_float8, as_stored, page_range, token_scale
 from kvcompress.quant.rotation import rotate, unrotate
@@ -46,6 +48,7 @@ class NuqCodec(Codec):
     rotation_signs: torch.Tensor | None = None  # [D]
     channel_mean: torch.Tensor | None = None  # [H, D] calibrated
     channel_scale: torch.Tensor | None = None  # [H, D] calibrated
+    outlier_weight: torch.Tensor | None = None  # [H, D] calibrated query energy per key channel (outlier_select)
     outlier_dtype: torch.dtype = torch.float16
     default_codebook: str = "gaussian"  # one of config.CODEBOOKS: levels used when none are given
     scale_format: str = "fp16"  # how scales (and page zeros) are stored: "fp16", "e4m3", "e5m2" (page_range)
@@ -58,6 +61,17 @@ class NuqCodec(Codec):
             else:
                 self.codebook = default_codebook(self.default_codebook, self.nbits).clone()
         assert self.codebook.shape[-1] == 2**self.nbits, "codebook must have 2**bits levels"
+        if self.outlier_weight is not None:
+            if self.axis != "page" or self.outlier_scope != "page" or not self.n_outliers:
+                raise ConfigError(
+                    "outlier_weight picks the outliers of key pages coded on their own range: it needs nuq "
+                    "axis='page' with outlier_fraction > 0 (drop the tensor for this stream)"
+                )
+            if tuple(self.outlier_weight.shape) != (self.num_heads, self.head_dim):
+                raise ConfigError(
+                    f"outlier_weight has shape {tuple(self.outlier_weight.shape)}, expected [kv heads, head dim] = "
+                    f"[{self.num_heads}, {self.head_dim}]: the config was calibrated for another model"
+                )
 
     @property
     def n_outliers(self) -> int:
@@ -105,6 +119,8 @@ class NuqCodec(Codec):
             t["rotation_signs"] = self.rotation_signs
         if self._calibrated_channels:
             t["channel_mean"], t["channel_scale"] = self.channel_mean, self.channel_scale
+        if self.outlier_weight is not None:
+            t["outlier_weight"] = self.outlier_weight
         return t
 
     # -- statistics ---------------------------------------------------------------------------
@@ -139,7 +155,10 @@ class NuqCodec(Codec):
             if k:
                 mask = self._outlier_mask(u, out, xf)
         elif self.axis == "page":
-            if k:  # outliers by their z-score within the page's channel
+            if k and self.outlier_weight is not None:  # the queries' channel weights pick them
+                mp = weighted_range_outliers(self._pages(xf), self.outlier_weight, k)
+                self._keep_outliers(mp.reshape(b, h, n // self.page_size, -1), out, xf)
+            elif k:  # outliers by their z-score within the page's channel
                 xp = self._pages(xf)
                 mu, sd = xp.mean(3, keepdim=True), xp.std(3, keepdim=True, correction=0).clamp_min(1e-6)
                 mask = self._outlier_mask(((xp - mu) / sd).reshape(b, h, n, d), out, xf)
@@ -185,6 +204,14 @@ class NuqCodec(Codec):
         out["outlier_val"] = xf.reshape(b, h, pages, -1).gather(-1, idx).to(self.outlier_dtype)
         mask = torch.zeros_like(flat, dtype=torch.bool).scatter_(-1, idx, True)
         return mask.reshape(b, h, n, d)
+
+    def _keep_outliers(self, chosen: torch.Tensor, out, xf) -> None:
+        """Record the outliers a mask chose (chosen: [B, H, pages, P * D], n_outliers True per page) in `out`,
+        as `_outlier_mask` does: positions ascending, exact values."""
+        idx = chosen.to(torch.int8).sort(dim=-1, descending=True, stable=True).indices[..., :self.n_outliers]
+        idx = idx.sort(-1).values
+        out["outlier_idx"] = idx.to(self._idx_dtype)
+        out["outlier_val"] = xf.reshape(chosen.shape).gather(-1, idx).to(self.outlier_dtype)
 
     def _nearest(self, u):
         cb = self.codebook.to(u.device)

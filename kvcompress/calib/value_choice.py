@@ -1,0 +1,41 @@
+"""Per layer, the value codec a calibrated nuq preset keeps: its own levels fitted to the layer's values, or
+the same bits Hadamard-rotated onto the Gaussian levels (TurboQuant; the nuq4-vrot preset's values),
+whichever puts less error into the layer's attention output on the calibration probe (sensitivity.py).
+
+Why: in a float32 SmolLM2 (4 windows of 1024 of eval.txt) nuq4's values carry about half of its KL
+divergence from the uncompressed cache, and rotated values cut the whole KL by a third (BENCHMARKS.md,
+"Key outliers picked by the queries' channel weights; nuq4's values chosen per layer"); the probe decides
+layer by layer rather than taking that for every model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from kvcompress.calib.candidates import LayerFits
+from kvcompress.calib.sensitivity import spec_sensitivity
+from kvcompress.config import LayerPolicy
+
+
+def rotated_value(policy: LayerPolicy) -> LayerPolicy | None:
+    """The policy with its nuq values rotated onto Gaussian levels, or None where that is no alternative
+    (values not nuq per token, or already rotated)."""
+    v = policy.value
+    if v.method != "nuq" or v.axis != "token" or v.rotation:
+        return None
+    return replace(policy, value=replace(v, rotation=True, codebook="gaussian", outlier_fraction=0.0))
+
+
+def choose_values(policy: LayerPolicy, fits: LayerFits, tensors: dict) -> tuple[LayerPolicy, dict, str, dict]:
+    """(policy, its value tensors, "fitted" | "rotated", the two losses) for one layer; `tensors` are the
+    fitted value tensors of `policy`'s own value spec."""
+    alt = rotated_value(policy)
+    if alt is None:
+        return policy, tensors, "fitted", {}
+    losses = {
+        "fitted": spec_sensitivity(fits, "value", policy.value, tensors),
+        "rotated": spec_sensitivity(fits, "value", alt.value, {}),
+    }
+    if losses["rotated"] < losses["fitted"]:
+        return alt, {}, "rotated", losses
+    return policy, tensors, "fitted", losses
