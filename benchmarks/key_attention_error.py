@@ -25,25 +25,12 @@ import torch
 from value_attention_error import NQ, PAGE, SINKS, TAIL, db, record
 
 import kvcompress
-from kvcompress.calib.collect import record_queries
+from kvcompress.calib.collect import CollectSettings, collect
 from kvcompress.calib.fit import outlier_weights
 from kvcompress.calib.sensitivity import relative_error
 from kvcompress.config import KVCompressConfig
 from kvcompress.evaluation.perplexity import context_ids
 from kvcompress.quant.factory import make_codec
-
-
-def query_energy(model, ids) -> list[torch.Tensor]:
-    """Per layer, mean q_c^2 over the group's query heads and every position of ids: [H, D]."""
-    out = {}
-
-    def sink(i, q, k, s):
-        g = q.shape[1] // k.shape[1]
-        out[i] = q.float().pow(2).mean((0, 2)).reshape(k.shape[1], g, -1).mean(1)
-
-    with record_queries(model, sink), torch.inference_mode():
-        model(ids)
-    return [out[i] for i in sorted(out)]
 
 
 def attend(q, keys, vv, scaling: float, future) -> torch.Tensor:
@@ -70,7 +57,11 @@ def main():
     dtype = getattr(torch, args.dtype)
     model, tok = kvcompress.load_model("smollm2-135m", dtype=dtype)
     calib = (importlib.resources.files("kvcompress") / "data" / "calib.txt").read_text()
-    energies = query_energy(model, context_ids(tok, args.length, calib))
+    # the queries' channel energies as `kvcompress calibrate` collects them, from one window of calib.txt
+    window = context_ids(tok, args.length, calib)
+    stats = collect(model, window, CollectSettings(samples=1, seq_len=args.length, batch_size=1, sample_tokens=16,
+                                                   weighting="none"), progress=False)
+    energies = [s.query_energy for s in stats]
     records = record(model, context_ids(tok, args.length))
     spec = KVCompressConfig.from_preset("nuq4", model.config).layers[0].key
     errs: dict[str, list[float]] = {}

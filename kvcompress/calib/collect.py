@@ -194,9 +194,9 @@ def collect(model, windows: torch.Tensor, settings: CollectSettings, progress: b
         sq = query.float().pow(2).sum((0, 2)).reshape(key.shape[1], hq // key.shape[1], d).sum(1)  # [H, D]
         r.query_sq = sq if r.query_sq is None else r.query_sq + sq
         r.query_count += b * t * (hq // key.shape[1])
-        if not running[layer_idx].probe:
-            p = min(settings.probe_tokens, query.shape[2])
-            running[layer_idx].probe.update(q=query[:1, :, :p].float().cpu(), scaling=scaling)
+        if not r.probe:
+            p = min(settings.probe_tokens, t)
+            r.probe.update(q=query[:1, :, :p].float().cpu(), scaling=scaling)
 
     base = getattr(model, "base_model", model)
     batches = range(n_batches)

@@ -157,7 +157,9 @@ class NuqCodec(Codec):
         elif self.axis == "page":
             if k and self.outlier_weight is not None:  # the queries' channel weights pick them
                 mp = weighted_range_outliers(self._pages(xf), self.outlier_weight, k)
-                self._keep_outliers(mp.reshape(b, h, n // self.page_size, -1), out, xf)
+                chosen = mp.reshape(b, h, n // self.page_size, -1).to(torch.int8)  # k ones per page
+                idx = chosen.sort(dim=-1, descending=True, stable=True).indices[..., :k].sort(-1).values
+                self._store_outliers(idx, out, xf)
             elif k:  # outliers by their z-score within the page's channel
                 xp = self._pages(xf)
                 mu, sd = xp.mean(3, keepdim=True), xp.std(3, keepdim=True, correction=0).clamp_min(1e-6)
@@ -200,18 +202,15 @@ class NuqCodec(Codec):
             idx = (t_in_page * d + c).reshape(b, h, pages, self.page_size * k)
         else:
             idx = flat.topk(self.n_outliers, dim=-1).indices.sort(-1).values  # [B, H, n_pages, k]
-        out["outlier_idx"] = idx.to(self._idx_dtype)
-        out["outlier_val"] = xf.reshape(b, h, pages, -1).gather(-1, idx).to(self.outlier_dtype)
+        self._store_outliers(idx, out, xf)
         mask = torch.zeros_like(flat, dtype=torch.bool).scatter_(-1, idx, True)
         return mask.reshape(b, h, n, d)
 
-    def _keep_outliers(self, chosen: torch.Tensor, out, xf) -> None:
-        """Record the outliers a mask chose (chosen: [B, H, pages, P * D], n_outliers True per page) in `out`,
-        as `_outlier_mask` does: positions ascending, exact values."""
-        idx = chosen.to(torch.int8).sort(dim=-1, descending=True, stable=True).indices[..., :self.n_outliers]
-        idx = idx.sort(-1).values
+    def _store_outliers(self, idx: torch.Tensor, out, xf) -> None:
+        """Record outlier positions idx [B, H, pages, k] (t_in_page * D + c, ascending) and their exact values
+        in `out`."""
         out["outlier_idx"] = idx.to(self._idx_dtype)
-        out["outlier_val"] = xf.reshape(chosen.shape).gather(-1, idx).to(self.outlier_dtype)
+        out["outlier_val"] = xf.reshape(idx.shape[:3] + (-1,)).gather(-1, idx).to(self.outlier_dtype)
 
     def _nearest(self, u):
         cb = self.codebook.to(u.device)
