@@ -10,8 +10,9 @@ thresholds, static FP8 scales); per-token nuq values are fitted, or rotated onto
 probe's attention error says so (calib/value_choice.py). With --target-bits or
 --memory-budget every full-attention layer's keys and values each get one of fp8 / nuq4 / nuq3 / nuq2,
 chosen by the allocation so the all-in bits per element at `context` tokens meet the budget with the
-least total sensitivity (calib/mixed.py); with `keep_ratios` a layer may also evict with H2O, keeping that
-ratio of its tokens. Every stream gets static FP8 scales, so any config can be exported.
+least total sensitivity (calib/mixed.py): each stream's expected KL divergence, its probe's attention
+error weighted by the Fisher information of the attention output (calib/fisher.py, calib/sensitivity.py);
+with `keep_ratios` a layer may also evict with H2O, keeping that ratio of its tokens. Every stream gets static FP8 scales, so any config can be exported.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 from kvcompress.calib.bits import uncompressed_layer_bytes
 from kvcompress.calib.candidates import LayerFits, with_fp8_scales
 from kvcompress.calib.collect import CollectSettings, calibration_windows, collect
+from kvcompress.calib.fisher import output_fisher
 from kvcompress.calib.mixed import mixed_layers
 from kvcompress.calib.value_choice import choose_values
 from kvcompress.config import FP8_SHIFT_DEFAULT, FP8_SHIFTS, ConfigError, KVCompressConfig, LayerPolicy
@@ -117,7 +119,16 @@ def calibrate(model, tokenizer, text: str, settings: CalibrationSettings | None 
     token_ids = tokenizer(text, add_special_tokens=False)["input_ids"] if text.strip() else []
     windows = calibration_windows(token_ids, settings.samples, settings.seq_len)
     log(f"calibrating on {windows.shape[0]} x {windows.shape[1]} tokens (the text has {len(token_ids)} tokens)")
-    stats = collect(model, windows, settings.collect_settings(), progress=progress)
+    collect_settings = settings.collect_settings()
+    stats = collect(model, windows, collect_settings, progress=progress)
+    if any(s.probe_q is not None for s in stats):
+        # the probe's attention outputs weighted by what they matter to the model's output (calib/fisher.py);
+        # the probe is the first window's first tokens (collect)
+        probe = windows[:1, : min(collect_settings.probe_tokens, windows.shape[1])]
+        fisher = output_fisher(model, probe, seed=collect_settings.seed)
+        for i, f in fisher.items():
+            if stats[i].probe_q is not None and f.shape[2] == stats[i].probe_q.shape[2]:
+                stats[i].probe_fisher = f
     notes = {
         "calibration": {
             **asdict(settings),
@@ -127,6 +138,8 @@ def calibrate(model, tokenizer, text: str, settings: CalibrationSettings | None 
             "text_tokens": len(token_ids),
             "windows": list(windows.shape),
             "weighting_used": "attention" if stats[0].key_weight is not None else "none",
+            # sensitivities in expected KL per position (Fisher-weighted) or relative attention error
+            "sensitivity_unit": "kl" if any(s.probe_fisher is not None for s in stats) else "relative",
             "seconds": {"collect": round(time.perf_counter() - start, 1)},
         }
     }

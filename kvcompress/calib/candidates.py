@@ -25,6 +25,14 @@ MIXED_SINKS = 4
 MIXED_RESIDUAL = 32
 
 
+def rotated_spec(spec: QuantSpec) -> QuantSpec | None:
+    """`spec` (nuq values per token) Hadamard-rotated onto the Gaussian levels (TurboQuant; the nuq4-vrot
+    preset's values), or None where that is no alternative (not nuq per token, or already rotated)."""
+    if spec.method != "nuq" or spec.axis != "token" or spec.rotation:
+        return None
+    return replace(spec, rotation=True, codebook="gaussian", outlier_fraction=0.0)
+
+
 def choice_spec(choice: str, stream: str, outlier_fraction: float) -> QuantSpec:
     """The QuantSpec of a named choice: the nuq presets' keys (each page's channel range, one-byte ranges,
     exact outliers) or values (per token, nuq3 / nuq2 rotated), or FP8."""
@@ -44,6 +52,8 @@ class LayerFits:
     outlier_fraction: float = 0.01
     per_head: bool = True
     fp8_shift: str = FP8_SHIFT_DEFAULT
+    # choices whose values this layer rotates onto Gaussian levels instead of fitting (mixed.py decides)
+    rotated_values: set = field(default_factory=set)
     _cache: dict = field(default_factory=dict, repr=False)
 
     def fp8_scale(self, stream: str):
@@ -73,6 +83,8 @@ class LayerFits:
 
     def choice(self, choice: str, stream: str) -> tuple[QuantSpec, dict]:
         spec = choice_spec(choice, stream, self.outlier_fraction)
+        if stream == "value" and choice in self.rotated_values:
+            spec = rotated_spec(spec) or spec
         return spec, self.spec_tensors(spec, stream)
 
     def policy(self, key_choice: str, value_choice: str) -> LayerPolicy:

@@ -70,6 +70,8 @@ class LayerStats:
     probe_v: torch.Tensor  # [1, H, P, Dv]
     probe_q: torch.Tensor | None = None  # [1, Hq, P, Dk] (None when the cache holds something else, e.g. MLA)
     query_energy: torch.Tensor | None = None  # [H, Dk] mean q_c^2 over the group's query heads (None: as probe_q)
+    # [1, Hq, P, Dv] the Fisher information of the probe's attention output (calib/fisher.py; None: not measured)
+    probe_fisher: torch.Tensor | None = None
     scaling: float = 1.0
     tokens: int = 0
 
@@ -115,11 +117,12 @@ def calibration_windows(token_ids: list[int], samples: int, seq_len: int) -> tor
 
 
 @contextlib.contextmanager
-def record_queries(model, sink):
-    """Within the block, every attention call also calls sink(layer_idx, query, key, scaling).
+def wrap_attention(model, hook):
+    """Within the block, every attention call of `model` also calls hook(module, query, key, value, output,
+    scaling); a hook that returns a tensor replaces the output with it.
 
     A local override of the model's implementation in transformers' attention registry, removed on exit.
-    query: [B, Hq, T, D], key: [B, Hkv, T, D].
+    query [B, Hq, T, D], key / value [B, Hkv, T, D] (as cached, before any repeat), output [B, T, Hq, Dv].
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -129,13 +132,13 @@ def record_queries(model, sink):
     had_local, previous = impl in local, local.get(impl)
     original = ALL_ATTENTION_FUNCTIONS.get(impl, sdpa_attention_forward) if impl != "eager" else sdpa_attention_forward
 
-    def recording(module, query, key, value, attention_mask, *args, **kwargs):
-        out = original(module, query, key, value, attention_mask, *args, **kwargs)
+    def wrapped(module, query, key, value, attention_mask, *args, **kwargs):
+        out, weights = original(module, query, key, value, attention_mask, *args, **kwargs)
         scaling = kwargs.get("scaling") or getattr(module, "scaling", None) or query.shape[-1] ** -0.5
-        sink(getattr(module, "layer_idx", None), query, key, float(scaling))
-        return out
+        replaced = hook(module, query, key, value, out, float(scaling))
+        return (out if replaced is None else replaced), weights
 
-    local[impl] = recording
+    local[impl] = wrapped
     try:
         yield
     finally:
@@ -143,6 +146,12 @@ def record_queries(model, sink):
             local[impl] = previous
         else:
             del local[impl]
+
+
+def record_queries(model, sink):
+    """A context in which every attention call also calls sink(layer_idx, query, key, scaling)
+    (wrap_attention). query: [B, Hq, T, D], key: [B, Hkv, T, D]."""
+    return wrap_attention(model, lambda m, q, k, v, out, s: sink(getattr(m, "layer_idx", None), q, k, s))
 
 
 def attention_importance(query: torch.Tensor, key: torch.Tensor, scaling: float, stride: int):

@@ -1,12 +1,13 @@
 """Per-layer choices meeting an all-in bit budget with the least total sensitivity: each full-attention
-layer's keys and values each get one of fp8 / nuq4 / nuq3 / nuq2, and, where `keep_ratios` offers them,
-H2O keeping a ratio of the tokens seen.
+layer's keys and values each get one of fp8 / nuq4 / nuq3 / nuq2 (nuq values fitted or rotated, whichever
+the probe favours), and, where `keep_ratios` offers them, H2O keeping a ratio of the tokens seen.
 
 One knapsack item per layer whose options are (key choice, value choice, keep ratio); an option's cost is
 the bytes the layer holds at `context` tokens under that policy, at most (calib/bits.py: pages, exact
 sinks and tail, ROW statistics, codebooks, and for H2O the budget plus its pages of slack and the positions
 and scores it keeps); its loss is the sum of the key and value streams' sensitivities (sensitivity.py) and
-the eviction's own (sparse_sensitivity.py). Sliding-window layers stay exact and are paid first.
+the eviction's own (sparse_sensitivity.py), each the expected KL it adds where the probe has a Fisher
+(calib/fisher.py), so losses of different layers add. Sliding-window layers stay exact and are paid first.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ import torch
 
 from kvcompress.calib.allocate import Option, allocate
 from kvcompress.calib.bits import config_bits_per_element, layer_bytes, uncompressed_layer_bytes
-from kvcompress.calib.candidates import CANDIDATES, MIXED_SINKS, with_fp8_scales
-from kvcompress.calib.sensitivity import layer_sensitivity
+from kvcompress.calib.candidates import CANDIDATES, MIXED_SINKS, rotated_spec, with_fp8_scales
+from kvcompress.calib.sensitivity import layer_sensitivity, spec_sensitivity
 from kvcompress.calib.sparse_sensitivity import eviction_sensitivity, h2o_spec
 from kvcompress.config import ConfigError, LayerPolicy
 
@@ -43,6 +44,7 @@ def mixed_layers(fits, layout, settings, target: float, dtype, on_layer=None):
             continue
         full.append(i)
         sens[i] = layer_sensitivity(fits[i], CANDIDATES)
+        _rotate_values(fits[i], sens[i])
         evict[i] = _eviction(fits[i], ratios)
         opts = []
         for kc, vc, r in itertools.product(CANDIDATES, CANDIDATES, ratios):
@@ -77,6 +79,8 @@ def mixed_layers(fits, layout, settings, target: float, dtype, on_layer=None):
         "context": ctx,
         "batch": batch,
         "choices": {str(i): [c[0], c[1]] for i, c in chosen.items()},
+        # per layer, the value choices rotated onto Gaussian levels rather than fitted
+        "rotated_values": {str(i): sorted(fits[i].rotated_values) for i in full},
         "keep_ratios": {str(i): c[2] for i, c in chosen.items()},
         "sensitivity": {str(i): sens[i] for i in sens},
         "eviction_sensitivity": {str(i): {str(r): v for r, v in evict[i].items()} for i in evict},
@@ -85,12 +89,28 @@ def mixed_layers(fits, layout, settings, target: float, dtype, on_layer=None):
     return layers, notes
 
 
+def _rotate_values(fits, sens) -> None:
+    """Where a choice fits its value levels (nuq4), rotate the values onto Gaussian levels instead if the
+    probe says that loses less, as calibrated presets do (value_choice.py); `sens` takes the smaller loss.
+    On SmolLM2 fitted nuq4 values lost about as much as rotated nuq3 ones, so without this the allocation
+    saw no reason to give values a fourth bit."""
+    for c in CANDIDATES:
+        spec, _ = fits.choice(c, "value")
+        alt = rotated_spec(spec)
+        if alt is None:
+            continue
+        loss = spec_sensitivity(fits, "value", alt, {})
+        if loss < sens["value"][c]:
+            fits.rotated_values.add(c)
+            sens["value"][c] = loss
+
+
 def _eviction(fits, ratios) -> dict[float, float]:
     s = fits.stats
     if len(ratios) == 1 or s.probe_q is None:  # nothing to measure, or no queries (MLA): no eviction offered
         return {r: (0.0 if r >= 1.0 else float("inf")) for r in ratios}
     probe = fits.policy(*EVICTION_PROBE)
-    return eviction_sensitivity(probe, s.probe_q, s.probe_k, s.probe_v, s.scaling, ratios)
+    return eviction_sensitivity(probe, s, ratios)
 
 
 def _policy(fits, key_choice: str, value_choice: str, ratio: float) -> LayerPolicy:

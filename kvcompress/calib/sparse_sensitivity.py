@@ -18,7 +18,8 @@ from types import SimpleNamespace
 import torch
 
 from kvcompress.cache import CompressedLayer
-from kvcompress.calib.sensitivity import causal_attention, relative_error
+from kvcompress.calib.collect import LayerStats
+from kvcompress.calib.sensitivity import causal_attention, output_loss
 from kvcompress.config import LayerPolicy, SparsitySpec
 from kvcompress.sparse.state import attach_layer_sparsity
 
@@ -60,18 +61,22 @@ def _attend(fn, module, q, ko, vo, scaling, layer) -> torch.Tensor:
     return causal_attention(q, ko.float(), vo.float(), scaling)
 
 
-def eviction_sensitivity(policy: LayerPolicy, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
-                         ratios) -> dict[float, float]:
+def eviction_sensitivity(policy: LayerPolicy, stats: LayerStats, ratios) -> dict[float, float]:
     """{ratio: the decoded half's loss with H2O keeping `ratio`, less its loss without eviction} for a
-    layer stored as `policy` (ratios >= 1 cost nothing)."""
+    layer stored as `policy`, on the probe of `stats` (ratios >= 1 cost nothing)."""
+    q, k, v, scaling = stats.probe_q, stats.probe_k, stats.probe_v, stats.scaling
     t = q.shape[2]
     exact = causal_attention(q, k.float(), v.float(), scaling)[:, :, t // 2:]
-    base = relative_error(decoded_outputs(replace(policy, sparsity=SparsitySpec()), q, k, v, scaling), exact)
+
+    def loss(got, want):  # the decoded half: positions t // 2 on
+        return output_loss(stats, got, want, t // 2)
+
+    base = loss(decoded_outputs(replace(policy, sparsity=SparsitySpec()), q, k, v, scaling), exact)
     out = {}
     for r in ratios:
         if r >= 1.0:
             out[r] = 0.0
             continue
         sparse = replace(policy, sparsity=h2o_spec(r, policy.sinks))
-        out[r] = max(0.0, relative_error(decoded_outputs(sparse, q, k, v, scaling), exact) - base)
+        out[r] = max(0.0, loss(decoded_outputs(sparse, q, k, v, scaling), exact) - base)
     return out

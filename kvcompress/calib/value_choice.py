@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from kvcompress.calib.candidates import LayerFits
+from kvcompress.calib.candidates import LayerFits, rotated_spec
 from kvcompress.calib.sensitivity import spec_sensitivity
 from kvcompress.config import LayerPolicy
 
@@ -20,10 +20,8 @@ from kvcompress.config import LayerPolicy
 def rotated_value(policy: LayerPolicy) -> LayerPolicy | None:
     """The policy with its nuq values rotated onto Gaussian levels, or None where that is no alternative
     (values not nuq per token, or already rotated)."""
-    v = policy.value
-    if v.method != "nuq" or v.axis != "token" or v.rotation:
-        return None
-    return replace(policy, value=replace(v, rotation=True, codebook="gaussian", outlier_fraction=0.0))
+    spec = rotated_spec(policy.value)
+    return None if spec is None else replace(policy, value=spec)
 
 
 def choose_values(policy: LayerPolicy, fits: LayerFits, tensors: dict) -> tuple[LayerPolicy, dict, str, dict]:
@@ -33,8 +31,8 @@ def choose_values(policy: LayerPolicy, fits: LayerFits, tensors: dict) -> tuple[
     if alt is None:
         return policy, tensors, "fitted", {}
     losses = {
-        "fitted": spec_sensitivity(fits, "value", policy.value, tensors),
-        "rotated": spec_sensitivity(fits, "value", alt.value, {}),
+        "fitted": spec_sensitivity(fits, "value", policy.value, tensors, like=policy),
+        "rotated": spec_sensitivity(fits, "value", alt.value, {}, like=policy),
     }
     if losses["rotated"] < losses["fitted"]:
         return alt, {}, "rotated", losses
