@@ -599,3 +599,27 @@ def test_fisher_weighted_error_predicts_the_kl_of_an_attention_error():
         predicted = float(0.5 * (f0 * delta.pow(2)).sum() / 48)
         assert 0.65 < predicted / kls[-1] < 1.35, (head, predicted, kls[-1])
     assert kls[1] > 20 * kls[0]
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "gemma3", "phi3", "deepseek_v3", "mistral"])
+@pytest.mark.parametrize("budget", [False, True])
+def test_calibrate_runs_on_each_architecture(arch, budget, calib_text):
+    """Calibration, with and without a bit budget, on each tiny architecture: the config loads into a
+    CompressedCache that generates. Losses are expected KL (Fisher-weighted) where full-attention layers'
+    queries match the cache, relative errors on an MLA latent; a budget for a model whose every layer is
+    a sliding window (this tiny Mistral) is refused with the reason, as those layers stay exact."""
+    from conftest import make_tiny_model
+
+    model = make_tiny_model(arch)
+    settings = CalibrationSettings(samples=2, seq_len=96, batch_size=1, sample_tokens=64,
+                                   **({"target_bits": 6.0} if budget else {}))
+    if budget and arch == "mistral":
+        with pytest.raises(ConfigError, match="sliding-window layers"):
+            calibrate(model, _ByteTokenizer(), calib_text, settings, progress=False)
+        return
+    cfg = calibrate(model, _ByteTokenizer(), calib_text, settings, progress=False)
+    unit = cfg.notes["calibration"]["sensitivity_unit"]
+    assert unit == ("relative" if arch in ("deepseek_v3", "mistral") else "kl")
+    ids = torch.tensor([_ByteTokenizer()(calib_text[:80])["input_ids"]])
+    out = model.generate(ids, max_new_tokens=6, do_sample=False, past_key_values=CompressedCache(model.config, cfg))
+    assert out.shape == (1, 86)
