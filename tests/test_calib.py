@@ -171,6 +171,26 @@ def test_mixed_precision_meets_its_bit_budget_exactly_as_stated(mixed_config):
     assert report["bits_per_element"] == pytest.approx(alloc["achieved_bits"], rel=1e-9)
 
 
+def test_mixed_keys_may_keep_other_outlier_shares(mixed_config):
+    """Key choices come with 0-2 % of each page kept exact besides the presets' share, each measured and
+    costed (an outlier's 32 bits) like any choice; a share is a key-side option only."""
+    from kvcompress.calib.candidates import KEY_OUTLIER_SHARES, choice_spec, key_choices
+
+    spec = choice_spec("nuq3@0.005", "key", 0.01)
+    assert (spec.bits, spec.outlier_fraction, spec.axis) == (3, 0.005, "page")
+    assert choice_spec("nuq3", "key", 0.01).outlier_fraction == 0.02  # the nuq3 preset's own share
+    names = key_choices(0.01)
+    assert len(names) == 4 + 3 * (len(KEY_OUTLIER_SHARES) - 1) and "nuq3@0.02" not in names and "nuq4@0" in names
+    for bad, stream in (("nuq3@0.01", "value"), ("nuq3@x", "key"), ("nuq3@1.5", "key")):
+        with pytest.raises(ConfigError, match="outlier share"):
+            choice_spec(bad, stream, 0.01)
+    model, cfg = mixed_config
+    sens = cfg.notes["allocation"]["sensitivity"]
+    assert all(set(s["key"]) == set(names) for s in sens.values())
+    for i, (key_choice, _) in cfg.notes["allocation"]["choices"].items():
+        assert cfg.layers[int(i)].key == choice_spec(key_choice, "key", 0.01)
+
+
 def test_memory_budget_as_ratio_or_bytes():
     layout = ModelLayout("llama", 2, 2, 64, 64, ("full_attention",) * 2)
     ratio = CalibrationSettings(memory_budget=0.25)

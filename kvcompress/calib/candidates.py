@@ -18,6 +18,11 @@ from kvcompress.presets import nuq_specs
 from kvcompress.quant.codebook import default_codebook
 
 CANDIDATES = ("fp8", "nuq4", "nuq3", "nuq2")
+# Key choices also come with other shares of each page kept exact ("nuq3@0.005"): an outlier costs 32 bits
+# (0.32 bits per key element per 1 %), and its worth varies by layer. On SmolLM2 at 3.5 bits all-in these
+# shares took the allocation's predicted loss 18 % lower (most layers took 0.5 %; BENCHMARKS.md, "Layer
+# sensitivities in the model's unit").
+KEY_OUTLIER_SHARES = (0.0, 0.005, 0.01, 0.02)
 STREAMS = ("key", "value")
 # Layers of a mixed-precision config share the nuq presets' page layout (fp8 streams ignore it).
 MIXED_PAGE_SIZE = 32
@@ -33,15 +38,36 @@ def rotated_spec(spec: QuantSpec) -> QuantSpec | None:
     return replace(spec, rotation=True, codebook="gaussian", outlier_fraction=0.0)
 
 
+def key_choices(outlier_fraction: float) -> tuple[str, ...]:
+    """The key choices a mixed allocation offers: CANDIDATES, and each nuq width with the other shares of
+    KEY_OUTLIER_SHARES kept exact ("nuq3@0.005")."""
+    extra = []
+    for name in CANDIDATES[1:]:
+        own = choice_spec(name, "key", outlier_fraction).outlier_fraction
+        extra += [f"{name}@{share:g}" for share in KEY_OUTLIER_SHARES if share != own]
+    return CANDIDATES + tuple(extra)
+
+
 def choice_spec(choice: str, stream: str, outlier_fraction: float) -> QuantSpec:
     """The QuantSpec of a named choice: the nuq presets' keys (each page's channel range, one-byte ranges,
-    exact outliers) or values (per token, nuq3 / nuq2 rotated), or FP8."""
+    exact outliers; "nuqB@SHARE" keeps SHARE of each key page exact instead) or values (per token, nuq3 /
+    nuq2 rotated), or FP8."""
     if choice == "fp8":
         return QuantSpec(method="fp8")
-    if choice in ("nuq4", "nuq3", "nuq2"):
-        key, value = nuq_specs(int(choice[3]), outlier_fraction)
-        return key if stream == "key" else value
-    raise ConfigError(f"unknown calibration choice {choice!r}; use one of {CANDIDATES}")
+    name, _, share = choice.partition("@")
+    if name in ("nuq4", "nuq3", "nuq2"):
+        key, value = nuq_specs(int(name[3]), outlier_fraction)
+        if not share:
+            return key if stream == "key" else value
+        try:
+            fraction = float(share)
+        except ValueError:
+            fraction = -1.0
+        if stream == "key" and 0.0 <= fraction < 1.0:
+            return replace(key, outlier_fraction=fraction)
+        raise ConfigError(f"calibration choice {choice!r}: an outlier share applies to keys only and must be "
+                          "in [0, 1), e.g. 'nuq3@0.005'")
+    raise ConfigError(f"unknown calibration choice {choice!r}; use one of {CANDIDATES} (keys also nuqB@SHARE)")
 
 
 @dataclass

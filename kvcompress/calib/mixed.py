@@ -1,6 +1,6 @@
 """Per-layer choices meeting an all-in bit budget with the least total sensitivity: each full-attention
-layer's keys and values each get one of fp8 / nuq4 / nuq3 / nuq2 (nuq values fitted or rotated, whichever
-the probe favours), and, where `keep_ratios` offers them, H2O keeping a ratio of the tokens seen.
+layer's keys and values each get one of fp8 / nuq4 / nuq3 / nuq2 (nuq keys with 0-2 % of each page kept
+exact, candidates.KEY_OUTLIER_SHARES; nuq values fitted or rotated, whichever the probe favours), and, where `keep_ratios` offers them, H2O keeping a ratio of the tokens seen.
 
 One knapsack item per layer whose options are (key choice, value choice, keep ratio); an option's cost is
 the bytes the layer holds at `context` tokens under that policy, at most (calib/bits.py: pages, exact
@@ -20,8 +20,8 @@ import torch
 
 from kvcompress.calib.allocate import Option, allocate
 from kvcompress.calib.bits import config_bits_per_element, layer_bytes, uncompressed_layer_bytes
-from kvcompress.calib.candidates import CANDIDATES, MIXED_SINKS, rotated_spec, with_fp8_scales
-from kvcompress.calib.sensitivity import layer_sensitivity, spec_sensitivity
+from kvcompress.calib.candidates import CANDIDATES, MIXED_SINKS, key_choices, rotated_spec, with_fp8_scales
+from kvcompress.calib.sensitivity import spec_sensitivity, stream_sensitivity
 from kvcompress.calib.sparse_sensitivity import eviction_sensitivity, h2o_spec
 from kvcompress.config import ConfigError, LayerPolicy
 
@@ -37,17 +37,21 @@ def mixed_layers(fits, layout, settings, target: float, dtype, on_layer=None):
     elements = sum(uncompressed_layer_bytes(layout, i, ctx, batch, dtype) for i in range(layout.num_layers)) / itemsize
     budget = target * elements / 8
     ratios = sorted({1.0, *settings.keep_ratios}, reverse=True)
+    keys = key_choices(settings.outlier_fraction)
     fixed, items, full, sens, evict = 0.0, [], [], {}, {}
     for i in range(layout.num_layers):
         if layout.is_sliding(i):
             fixed += uncompressed_layer_bytes(layout, i, ctx, batch, dtype)
             continue
         full.append(i)
-        sens[i] = layer_sensitivity(fits[i], CANDIDATES)
+        sens[i] = {
+            "key": {c: stream_sensitivity(fits[i], "key", c) for c in keys},
+            "value": {c: stream_sensitivity(fits[i], "value", c) for c in CANDIDATES},
+        }
         _rotate_values(fits[i], sens[i])
         evict[i] = _eviction(fits[i], ratios)
         opts = []
-        for kc, vc, r in itertools.product(CANDIDATES, CANDIDATES, ratios):
+        for kc, vc, r in itertools.product(keys, CANDIDATES, ratios):
             policy = _policy(fits[i], kc, vc, r)
             loss = sens[i]["key"][kc] + sens[i]["value"][vc] + evict[i][r]
             if not math.isfinite(loss):
