@@ -12,7 +12,8 @@ probe's attention error says so (calib/value_choice.py). With --target-bits or
 chosen by the allocation so the all-in bits per element at `context` tokens meet the budget with the
 least total sensitivity (calib/mixed.py): each stream's expected KL divergence, its probe's attention
 error weighted by the Fisher information of the attention output (calib/fisher.py, calib/sensitivity.py);
-with `keep_ratios` a layer may also evict with H2O, keeping that ratio of its tokens. Every stream gets static FP8 scales, so any config can be exported.
+with `keep_ratios` a layer may also evict with H2O, keeping that ratio of its tokens. Every stream gets
+static FP8 scales, so any config can be exported.
 """
 
 from __future__ import annotations

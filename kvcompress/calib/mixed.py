@@ -1,6 +1,7 @@
 """Per-layer choices meeting an all-in bit budget with the least total sensitivity: each full-attention
 layer's keys and values each get one of fp8 / nuq4 / nuq3 / nuq2 (nuq keys with 0-2 % of each page kept
-exact, candidates.KEY_OUTLIER_SHARES; nuq values fitted or rotated, whichever the probe favours), and, where `keep_ratios` offers them, H2O keeping a ratio of the tokens seen.
+exact, candidates.KEY_OUTLIER_SHARES; nuq values fitted or rotated, whichever the probe favours), and,
+where `keep_ratios` offers them, H2O keeping a ratio of the tokens seen.
 
 One knapsack item per layer whose options are (key choice, value choice, keep ratio); an option's cost is
 the bytes the layer holds at `context` tokens under that policy, at most (calib/bits.py: pages, exact
@@ -20,9 +21,10 @@ import torch
 
 from kvcompress.calib.allocate import Option, allocate
 from kvcompress.calib.bits import config_bits_per_element, layer_bytes, uncompressed_layer_bytes
-from kvcompress.calib.candidates import CANDIDATES, MIXED_SINKS, key_choices, rotated_spec, with_fp8_scales
-from kvcompress.calib.sensitivity import spec_sensitivity, stream_sensitivity
+from kvcompress.calib.candidates import CANDIDATES, MIXED_SINKS, key_choices, with_fp8_scales
+from kvcompress.calib.sensitivity import layer_sensitivity
 from kvcompress.calib.sparse_sensitivity import eviction_sensitivity, h2o_spec
+from kvcompress.calib.value_choice import rotated_loss
 from kvcompress.config import ConfigError, LayerPolicy
 
 # the layer whose eviction is measured: nuq4 keys and values, the mixed page layout (H2O evicts its pages)
@@ -44,10 +46,7 @@ def mixed_layers(fits, layout, settings, target: float, dtype, on_layer=None):
             fixed += uncompressed_layer_bytes(layout, i, ctx, batch, dtype)
             continue
         full.append(i)
-        sens[i] = {
-            "key": {c: stream_sensitivity(fits[i], "key", c) for c in keys},
-            "value": {c: stream_sensitivity(fits[i], "value", c) for c in CANDIDATES},
-        }
+        sens[i] = layer_sensitivity(fits[i], keys, CANDIDATES)
         _rotate_values(fits[i], sens[i])
         evict[i] = _eviction(fits[i], ratios)
         opts = []
@@ -99,14 +98,10 @@ def _rotate_values(fits, sens) -> None:
     On SmolLM2 fitted nuq4 values lost about as much as rotated nuq3 ones, so without this the allocation
     saw no reason to give values a fourth bit."""
     for c in CANDIDATES:
-        spec, _ = fits.choice(c, "value")
-        alt = rotated_spec(spec)
-        if alt is None:
-            continue
-        loss = spec_sensitivity(fits, "value", alt, {})
-        if loss < sens["value"][c]:
+        rotated = rotated_loss(fits, fits.choice(c, "value")[0])
+        if rotated is not None and rotated[1] < sens["value"][c]:
             fits.rotated_values.add(c)
-            sens["value"][c] = loss
+            sens["value"][c] = rotated[1]
 
 
 def _eviction(fits, ratios) -> dict[float, float]:

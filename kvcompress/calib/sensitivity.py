@@ -114,6 +114,7 @@ def spec_sensitivity(fits: LayerFits, stream: str, spec: QuantSpec, tensors: dic
     return output_loss(s, got[:, :, start:], ref, start)
 
 
-def layer_sensitivity(fits: LayerFits, choices) -> dict[str, dict[str, float]]:
+def layer_sensitivity(fits: LayerFits, key_choices, value_choices) -> dict[str, dict[str, float]]:
     """{"key": {choice: loss}, "value": {choice: loss}} for one layer."""
-    return {stream: {c: stream_sensitivity(fits, stream, c) for c in choices} for stream in ("key", "value")}
+    return {stream: {c: stream_sensitivity(fits, stream, c) for c in choices}
+            for stream, choices in (("key", key_choices), ("value", value_choices))}

@@ -14,7 +14,7 @@ from dataclasses import replace
 
 from kvcompress.calib.candidates import LayerFits, rotated_spec
 from kvcompress.calib.sensitivity import spec_sensitivity
-from kvcompress.config import LayerPolicy
+from kvcompress.config import LayerPolicy, QuantSpec
 
 
 def rotated_value(policy: LayerPolicy) -> LayerPolicy | None:
@@ -24,16 +24,21 @@ def rotated_value(policy: LayerPolicy) -> LayerPolicy | None:
     return None if spec is None else replace(policy, value=spec)
 
 
+def rotated_loss(fits: LayerFits, spec: QuantSpec,
+                 like: LayerPolicy | None = None) -> tuple[QuantSpec, float] | None:
+    """(the rotated alternative to value spec `spec`, the probe's loss with it), or None where there is none;
+    `like` gives the page layout (spec_sensitivity)."""
+    alt = rotated_spec(spec)
+    return None if alt is None else (alt, spec_sensitivity(fits, "value", alt, {}, like=like))
+
+
 def choose_values(policy: LayerPolicy, fits: LayerFits, tensors: dict) -> tuple[LayerPolicy, dict, str, dict]:
     """(policy, its value tensors, "fitted" | "rotated", the two losses) for one layer; `tensors` are the
     fitted value tensors of `policy`'s own value spec."""
-    alt = rotated_value(policy)
-    if alt is None:
+    rotated = rotated_loss(fits, policy.value, like=policy)
+    if rotated is None:
         return policy, tensors, "fitted", {}
-    losses = {
-        "fitted": spec_sensitivity(fits, "value", policy.value, tensors, like=policy),
-        "rotated": spec_sensitivity(fits, "value", alt.value, {}, like=policy),
-    }
+    losses = {"fitted": spec_sensitivity(fits, "value", policy.value, tensors, like=policy), "rotated": rotated[1]}
     if losses["rotated"] < losses["fitted"]:
-        return alt, {}, "rotated", losses
+        return replace(policy, value=rotated[0]), {}, "rotated", losses
     return policy, tensors, "fitted", losses
