@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import math
+import re
 import statistics
 import sys
 
@@ -54,9 +55,14 @@ def method_spec(name: str):
     of NN tokens (nuq4-p64: the layout of the nuq4+quest-1024 preset); "NAME-fp16s": a nuq preset with its
     scales in fp16 (nuq4's are FP8, one byte); "NAME-ktok": the key outliers chosen per token
     (outlier_scope="token"); "NAME-kpage": chosen per page; "NAME-vrot": values Hadamard-rotated onto a
-    Gaussian codebook."""
-    import re
+    Gaussian codebook; "NAME-cwB": keys without outliers, with calibrated-style widths per channel averaging B
+    bits (NuqCodec.channel_widths; the general kernel reads them)."""
     from dataclasses import replace
+
+    widths = re.search(r"-cw([0-9.]+)$", name)
+    if widths:
+        key, value, page, sinks, tail = method_spec(name[: widths.start()])
+        return replace(key, outlier_fraction=0.0), value, page, sinks, tail
 
     page = re.search(r"-p(\d+)$", name)
     if page:
@@ -99,6 +105,13 @@ def build_parts(method: str, b: int, n: int, seed: int = 0) -> AttentionParts:
     for s, spec in enumerate((key_spec, value_spec)):
         x = rnd(chunk, gain=s == 0)
         tensors = {}
+        cw = re.search(r"-cw([0-9.]+)$", method)
+        if cw and s == 0:  # wider codes where the channels are wider, as calibration would give them
+            from kvcompress.calib.widths import least_cost_widths
+
+            cost = channel_gain.float().cpu().pow(2)[:, None] * 4.0 ** -torch.arange(9.0)[None, :]
+            w = least_cost_widths(cost, round(float(cw.group(1)) * D))
+            tensors = {"channel_widths": w.to(torch.uint8)[None].expand(HKV, D).contiguous()}
         if method.endswith("-static"):  # calibration's tensors, taken from this data
             shift = x.float().mean((0, 2))  # [H, D]
             amax = (x.float() - shift[None, :, None]).abs().amax((0, 2, 3))

@@ -32,13 +32,13 @@ SPARSITY_METHODS = ("none", "streaming", "h2o", "snapkv", "quest")
 BUDGET_SHARING = ("none", "heads", "layers")  # SparsitySpec.budget_sharing (Quest)
 # Per-stream tensors a config may carry (key.<name> / value.<name>), and per-layer ones.
 # fp8_scale: calibrated static FP8 scales [H] of the stream as it is (no shift), kept for serving-engine
-# exports. shift: an FP8 stream's per-channel shift [H, D] (x = fp8 * scale + shift). outlier_threshold:
+# exports. channel_widths: a nuq page stream's bits per channel [H, D] (calib/widths.py). shift: an FP8 stream's per-channel shift [H, D] (x = fp8 * scale + shift). outlier_threshold:
 # the calibrated |u| above which `outlier_fraction` of the normalised elements lie [H], recorded for
 # inspection only: the codec keeps a fixed count per page (outlier_fraction of it), so that every page's
 # outlier list has one size the fused kernels can read, and a page of unusual tokens still keeps its largest.
 STREAM_TENSORS = (
     "codebook", "scale", "channel_mean", "channel_scale", "outlier_threshold", "rotation_signs", "fp8_scale",
-    "shift", "outlier_weight",
+    "shift", "outlier_weight", "channel_widths",
 )
 LAYER_TENSORS = ()
 _TENSOR_KEY = re.compile(r"^layers\.(\d+)\.(key|value)\.([a-z][a-z0-9_]*)$")

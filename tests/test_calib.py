@@ -174,13 +174,15 @@ def test_mixed_precision_meets_its_bit_budget_exactly_as_stated(mixed_config):
 def test_mixed_keys_may_keep_other_outlier_shares(mixed_config):
     """Key choices come with 0-2 % of each page kept exact besides the presets' share, each measured and
     costed (an outlier's 32 bits) like any choice; a share is a key-side option only."""
-    from kvcompress.calib.candidates import KEY_OUTLIER_SHARES, choice_spec, key_choices
+    from kvcompress.calib.candidates import KEY_OUTLIER_SHARES, KEY_WIDTH_SHARES, KEY_WIDTHS, choice_spec, key_choices
 
     spec = choice_spec("nuq3@0.005", "key", 0.01)
     assert (spec.bits, spec.outlier_fraction, spec.axis) == (3, 0.005, "page")
     assert choice_spec("nuq3", "key", 0.01).outlier_fraction == 0.02  # the nuq3 preset's own share
     names = key_choices(0.01)
-    assert len(names) == 4 + 3 * (len(KEY_OUTLIER_SHARES) - 1) and "nuq3@0.02" not in names and "nuq4@0" in names
+    assert len(names) == 4 + 3 * (len(KEY_OUTLIER_SHARES) - 1) + len(KEY_WIDTHS) * len(KEY_WIDTH_SHARES)
+    assert "nuq3@0.02" not in names and "nuq4@0" in names and {"cw3.5", "cw3.5@0.005"} <= set(names)
+    assert choice_spec("cw3.5@0.005", "key", 0.01).outlier_fraction == 0.005
     for bad, stream in (("nuq3@0.01", "value"), ("nuq3@x", "key"), ("nuq3@1.5", "key")):
         with pytest.raises(ConfigError, match="outlier share"):
             choice_spec(bad, stream, 0.01)
@@ -189,6 +191,14 @@ def test_mixed_keys_may_keep_other_outlier_shares(mixed_config):
     assert all(set(s["key"]) == set(names) for s in sens.values())
     for i, (key_choice, _) in cfg.notes["allocation"]["choices"].items():
         assert cfg.layers[int(i)].key == choice_spec(key_choice, "key", 0.01)
+        widths = cfg.layers[int(i)].tensors.get("key.channel_widths")
+        assert (widths is not None) == key_choice.startswith("cw")
+        if widths is not None:  # bits per channel averaging the choice's, in every kv head
+            avg = float(key_choice[2:].partition("@")[0])
+            assert widths.long().sum(-1).tolist() == [round(avg * 64)] * widths.shape[0]
+    for bad, stream in (("cw3", "value"), ("cw9", "key"), ("cwx", "key"), ("cw3@2", "key"), ("xx3", "key")):
+        with pytest.raises(ConfigError, match="channel widths apply to keys|cwB|outlier share|unknown"):
+            choice_spec(bad, stream, 0.01)
 
 
 def test_memory_budget_as_ratio_or_bytes():

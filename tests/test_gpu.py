@@ -509,6 +509,10 @@ def test_prefill_attention_llama8b_layer(preset):
 def _graph_config(preset, model):
     """A preset name, or "fp8-shift": the fp8 preset with calibration-like per-channel shifts and static
     per-head scales (what `calibrate --preset fp8` writes)."""
+    if preset == "widths":  # keys on calibrated-style widths per channel (general kernel)
+        from test_channel_widths import width_config
+
+        return width_config(model)
     if preset != "fp8-shift":
         return preset
     from kvcompress import KVCompressConfig
@@ -560,7 +564,7 @@ def _replay_against_eager(model, cfg, seed: int, steps: int = 72):
     return graph, eager_graph, worst_eager, worst_grow, same, caches
 
 
-@pytest.mark.parametrize("preset", ["nuq4", "nuq4-fast", "int4", "int2", "fp8", "fp8-shift"])
+@pytest.mark.parametrize("preset", ["nuq4", "nuq4-fast", "int4", "int2", "fp8", "fp8-shift", "widths"])
 def test_decode_graph_replays_the_step(preset):
     """A 4-layer bf16 Llama (8 query / 2 kv heads, d 128), batch 3 with one row left-padded by 100 tokens,
     600-token prompt, 72 teacher-forced steps (several page flushes): DecodeGraph's replayed steps equal its eager fixed-address steps (same kernels,
@@ -745,6 +749,25 @@ def test_calibrated_evicting_mixed_config_triton_steps_equal_torch_steps(setting
     model = model.to(DEV)
     ids = torch.randint(3, 256, (1, 1000), generator=torch.Generator().manual_seed(0)).to(DEV)
 
+    want, want_cache = _greedy_steps(model, ids, cfg, 24, monkeypatch, "torch")
+    forced = [want[:, i:i + 1].argmax(-1) for i in range(24)]
+    got, got_cache = _greedy_steps(model, ids, cfg, 24, monkeypatch, "triton", forced)
+    assert got_cache.memory_report()["held_bytes"] == want_cache.memory_report()["held_bytes"]
+    assert (got - want).abs().max() <= 1e-3 * want.abs().max(), (got - want).abs().max()
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+@torch.no_grad()
+def test_width_coded_keys_triton_steps_equal_torch_steps(monkeypatch):
+    """Keys on widths per channel (0..8 bits, one bit stream per token) in every layer of a tiny Llama: the
+    Triton path teacher-forced on the torch path's greedy tokens gives the same logits and argmax."""
+    from conftest import make_tiny_model
+    from test_channel_widths import width_config
+
+    model = make_tiny_model("llama", num_hidden_layers=3, head_dim=64)
+    cfg = width_config(model)
+    model = model.to(DEV)
+    ids = torch.randint(3, 256, (2, 700), generator=torch.Generator().manual_seed(3)).to(DEV)
     want, want_cache = _greedy_steps(model, ids, cfg, 24, monkeypatch, "torch")
     forced = [want[:, i:i + 1].argmax(-1) for i in range(24)]
     got, got_cache = _greedy_steps(model, ids, cfg, 24, monkeypatch, "triton", forced)

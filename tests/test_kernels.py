@@ -82,7 +82,26 @@ SPECS = {
     # (rotated values on their own levels; nuq3 reads through the paged kernel, nuq2 the phase kernel)
     "nuq3-vbooks": nuq_specs(3),
     "nuq2-vbooks": nuq_specs(2),
+    # calibrated key widths per channel (0..8 bits, one bit stream per token: general kernel), with and
+    # without exact key outliers
+    "nuq-widths": (QuantSpec(method="nuq", bits=3, axis="page", scale_format="e4m3"), nuq_specs(3)[1]),
+    "nuq-widths-kout": (QuantSpec(method="nuq", bits=3, axis="page", outlier_fraction=0.01),
+                        QuantSpec(method="nuq", bits=4, axis="token")),
 }
+
+
+def _channel_widths(stream, hkv, d):
+    """Key widths 0..8 per channel, 3.25 bits on average in every head (a code may straddle two bytes)."""
+    if stream:
+        return {}
+    g = torch.Generator().manual_seed(70)
+    w = torch.zeros(hkv, d, dtype=torch.long)
+    for h in range(hkv):
+        for c in torch.randint(0, d, (13 * d,), generator=g):  # 13 d draws, capped at 8 bits: spread widths
+            if w[h].sum() < 13 * d // 4 and w[h, c] < 8:
+                w[h, c] += 1
+    assert (w.sum(-1) == 13 * d // 4).all() and (w == 0).any() and (w >= 6).any()
+    return {"channel_widths": w.to(torch.uint8)}
 
 
 def _rotated_value_tensors(stream, hkv, d, bits):
@@ -109,6 +128,8 @@ TENSORS = {
                                             {"scale": _fp8_shift_tensors(s, hkv, d)["scale"] * 3}),
     "nuq3-vbooks": lambda s, hkv, d: _rotated_value_tensors(s, hkv, d, 3),
     "nuq2-vbooks": lambda s, hkv, d: _rotated_value_tensors(s, hkv, d, 2),
+    "nuq-widths": lambda s, hkv, d: {**_channel_widths(s, hkv, d), **_rotated_value_tensors(s, hkv, d, 3)},
+    "nuq-widths-kout": _channel_widths,
 }
 
 
@@ -282,7 +303,7 @@ def test_fp8_exact_parts_in_the_merge(name, exact_apart):
 
 
 @needs_triton
-@pytest.mark.parametrize("name", ["nuq4", "int4", "fp8"])
+@pytest.mark.parametrize("name", ["nuq4", "int4", "fp8", "nuq-widths-kout"])
 def test_triton_page_list_gqa8_d128(name):
     """d=128, GQA 8, batch 3 of different lengths, a Quest page list with holes; pages of 32, blocks of 16."""
     parts = make_parts(name, b=3, hkv=1, d=128, pages=4, page=32, sinks=0, tail=7, lengths=[128, 70, 33], seed=10)
@@ -314,7 +335,7 @@ def test_triton_codebook_reads(name, lut):
 @needs_triton
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("name", ["int4", "int2", "int8", "nuq4-kout", "nuq2", "int4-vtok", "int2-vtok",
-                                  "nuq4-vrot"])
+                                  "nuq4-vrot", "nuq-widths"])
 def test_triton_half_operands(name, d):
     """fp16 model: integer codes enter the dots as (c | magic) read as fp16 (1024 + c), the offset taken
     back out exactly; words of 8 / 16 / 32 bits by head dim and bit width; "-vtok": both streams through the

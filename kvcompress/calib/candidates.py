@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 
 from kvcompress.calib.collect import LayerStats
 from kvcompress.calib.fit import fit_nuq_tensors, fp8_scales, fp8_shift_tensors
+from kvcompress.calib.widths import channel_widths
 from kvcompress.config import FP8_SHIFT_DEFAULT, ConfigError, LayerPolicy, QuantSpec
 from kvcompress.presets import nuq_specs
 from kvcompress.quant.codebook import default_codebook
@@ -23,6 +24,12 @@ CANDIDATES = ("fp8", "nuq4", "nuq3", "nuq2")
 # shares took the allocation's predicted loss 18 % lower (most layers took 0.5 %; BENCHMARKS.md, "Layer
 # sensitivities in the model's unit").
 KEY_OUTLIER_SHARES = (0.0, 0.005, 0.01, 0.02)
+# Key choices with calibrated bits per channel ("cw3.5": 3.5 bits per channel on average, calib/widths.py),
+# each channel on its page range. On SmolLM2's probe "cw3" (3.5 bits per key element with its ranges) loses
+# 22 % less than nuq3's keys (4.1 bits), and with these choices the 3.5-bit config's KL fell 41 %
+# (BENCHMARKS.md, "Keys on calibrated widths per channel"). The general fused kernel reads them.
+KEY_WIDTHS = (2.0, 2.5, 3.0, 3.25, 3.5, 3.75, 4.0, 4.5)
+KEY_WIDTH_SHARES = (0.0, 0.005)  # and with 0.5 % of each page exact ("cw3@0.005")
 STREAMS = ("key", "value")
 # Layers of a mixed-precision config share the nuq presets' page layout (fp8 streams ignore it).
 MIXED_PAGE_SIZE = 32
@@ -39,35 +46,59 @@ def rotated_spec(spec: QuantSpec) -> QuantSpec | None:
 
 
 def key_choices(outlier_fraction: float) -> tuple[str, ...]:
-    """The key choices a mixed allocation offers: CANDIDATES, and each nuq width with the other shares of
-    KEY_OUTLIER_SHARES kept exact ("nuq3@0.005")."""
+    """The key choices a mixed allocation offers: CANDIDATES, each nuq width with the other shares of
+    KEY_OUTLIER_SHARES kept exact ("nuq3@0.005"), and widths per channel (KEY_WIDTHS, KEY_WIDTH_SHARES)."""
     extra = []
     for name in CANDIDATES[1:]:
         own = choice_spec(name, "key", outlier_fraction).outlier_fraction
         extra += [f"{name}@{share:g}" for share in KEY_OUTLIER_SHARES if share != own]
+    extra += [f"cw{w:g}" + (f"@{share:g}" if share else "") for w in KEY_WIDTHS for share in KEY_WIDTH_SHARES]
     return CANDIDATES + tuple(extra)
+
+
+def width_choice(choice: str) -> float | None:
+    """The average bits per channel of a channel-width key choice ("cw3.5" -> 3.5), else None."""
+    if not choice.startswith("cw"):
+        return None
+    try:
+        avg = float(choice[2:])
+    except ValueError:
+        avg = -1.0
+    if not 0.0 < avg <= 8.0:
+        raise ConfigError(f"calibration choice {choice!r}: write cwB with B the average bits per key channel in (0, 8]")
+    return avg
 
 
 def choice_spec(choice: str, stream: str, outlier_fraction: float) -> QuantSpec:
     """The QuantSpec of a named choice: the nuq presets' keys (each page's channel range, one-byte ranges,
     exact outliers; "nuqB@SHARE" keeps SHARE of each key page exact instead) or values (per token, nuq3 /
-    nuq2 rotated), or FP8."""
+    nuq2 rotated), keys on calibrated widths per channel ("cwB", "cwB@SHARE"; the widths are LayerFits'),
+    or FP8."""
     if choice == "fp8":
         return QuantSpec(method="fp8")
-    name, _, share = choice.partition("@")
-    if name in ("nuq4", "nuq3", "nuq2"):
+    name, at, share = choice.partition("@")
+    avg = width_choice(name)
+    if avg is not None:
+        if stream != "key":
+            raise ConfigError(f"calibration choice {choice!r}: channel widths apply to keys only")
+        # bits: the nearest preset width, what the spec names; the codec reads the widths themselves
+        key = value = QuantSpec(method="nuq", bits=min(4, max(2, round(avg))), axis="page", scale_format="e4m3")
+    elif name in ("nuq4", "nuq3", "nuq2"):
         key, value = nuq_specs(int(name[3]), outlier_fraction)
-        if not share:
-            return key if stream == "key" else value
-        try:
-            fraction = float(share)
-        except ValueError:
-            fraction = -1.0
-        if stream == "key" and 0.0 <= fraction < 1.0:
-            return replace(key, outlier_fraction=fraction)
-        raise ConfigError(f"calibration choice {choice!r}: an outlier share applies to keys only and must be "
-                          "in [0, 1), e.g. 'nuq3@0.005'")
-    raise ConfigError(f"unknown calibration choice {choice!r}; use one of {CANDIDATES} (keys also nuqB@SHARE)")
+    else:
+        raise ConfigError(
+            f"unknown calibration choice {choice!r}; use one of {CANDIDATES} (keys also nuqB@SHARE, cwB, cwB@SHARE)"
+        )
+    if not at:
+        return key if stream == "key" else value
+    try:
+        fraction = float(share)
+    except ValueError:
+        fraction = -1.0
+    if stream == "key" and 0.0 <= fraction < 1.0:
+        return replace(key, outlier_fraction=fraction)
+    raise ConfigError(f"calibration choice {choice!r}: an outlier share applies to keys only and must be "
+                      "in [0, 1), e.g. 'nuq3@0.005'")
 
 
 @dataclass
@@ -109,6 +140,12 @@ class LayerFits:
 
     def choice(self, choice: str, stream: str) -> tuple[QuantSpec, dict]:
         spec = choice_spec(choice, stream, self.outlier_fraction)
+        name = choice.partition("@")[0]
+        avg = width_choice(name)
+        if avg is not None:
+            if name not in self._cache:
+                self._cache[name] = channel_widths(self.stats, avg, MIXED_PAGE_SIZE, MIXED_SINKS)
+            return spec, {**self.spec_tensors(spec, stream), "key.channel_widths": self._cache[name]}
         if stream == "value" and choice in self.rotated_values:
             spec = rotated_spec(spec) or spec
         return spec, self.spec_tensors(spec, stream)

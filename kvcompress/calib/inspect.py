@@ -5,8 +5,9 @@ from __future__ import annotations
 from kvcompress.config import KVCompressConfig, QuantSpec
 
 
-def describe_spec(spec: QuantSpec) -> str:
-    """"nuq4/channel +1% outliers", "fp8 e4m3", "none", ..."""
+def describe_spec(spec: QuantSpec, widths=None) -> str:
+    """"nuq4/channel +1% outliers", "fp8 e4m3", "none", ...; with channel widths [H, D] (a nuq page stream's
+    calibrated bits per channel) "nuq~3.25/page (widths 0-7)"."""
     if spec.method == "none":
         return "none"
     if spec.method == "fp8":
@@ -14,6 +15,9 @@ def describe_spec(spec: QuantSpec) -> str:
     if spec.method == "bnb":
         return f"bnb {spec.bnb_type}"
     s = f"{spec.method}{spec.bits}/{spec.axis}"
+    if widths is not None:
+        w = widths.float()
+        s = f"{spec.method}~{float(w.mean()):.3g}/{spec.axis} (widths {int(w.min())}-{int(w.max())})"
     if spec.group_size:
         s += f" g{spec.group_size}"
     if spec.rotation:
@@ -32,7 +36,7 @@ def layer_rows(cfg: KVCompressConfig) -> list[dict]:
         rows.append({
             "layer": i,
             "type": "sliding" if cfg.layout.is_sliding(i) else "full",
-            "keys": describe_spec(p.key),
+            "keys": describe_spec(p.key, p.tensors.get("key.channel_widths")),
             "values": describe_spec(p.value),
             "page/sinks/residual": f"{p.page_size}/{p.sinks}/{p.residual}",
             "sparsity": sparsity,

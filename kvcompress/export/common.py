@@ -58,7 +58,10 @@ def _describe(policy: LayerPolicy, stream: str) -> str | None:
         return "kept in the model dtype (the engine would store it as FP8)"
     if spec.method == "nuq":
         extra = f", {spec.outlier_fraction:.1%} exact outliers" if spec.outlier_fraction else ""
-        return f"nuq{spec.bits} codebook{extra} (the engine stores FP8 instead)"
+        widths = policy.tensors.get(f"{stream}.channel_widths")
+        what = f"nuq{spec.bits} codebook" if widths is None else \
+            f"nuq codes of {float(widths.float().mean()):.3g} bits a channel on average"
+        return f"{what}{extra} (the engine stores FP8 instead)"
     if spec.method == "fp8":
         return f"fp8 {spec.fp8_format} (engines take static scales for e4m3 only)"
     return f"{spec.method}{spec.bits} (the engine stores FP8 instead)"

@@ -58,6 +58,22 @@ def _codes_bitstream(codes, c_sn, tok, d, ok, BITS: tl.constexpr):
 
 
 @triton.jit
+def _width_units(codes, c_sn, tok, tab, d, ok):
+    """Element (tok, d) of a stream whose channels have their own widths (KIND_NUQ_WIDTHS), as u in [-1, 1]:
+    tab [H's row] holds each channel's bit offset << 4 | width; the code's 2**w - 1 levels span [-1, 1] (ends
+    on the page range), width 0 reads 0 (the page's middle). A code of <= 8 bits spans at most two bytes."""
+    t = tl.load(tab + d)
+    off = t >> 4
+    w = t & 15
+    row = codes + tok * c_sn
+    lo = tl.load(row + (off >> 3), mask=ok, other=0).to(tl.int32)
+    hi = tl.load(row + (off >> 3) + 1, mask=ok & ((off & 7) + w > 8), other=0).to(tl.int32)
+    top = (1 << w) - 1
+    c = ((lo | (hi << 8)) >> (off & 7)) & top
+    return tl.where(w > 0, c.to(tl.float32) * (2.0 / tl.maximum(top, 1).to(tl.float32)) - 1.0, 0.0)
+
+
+@triton.jit
 def _split2(w, S: tl.constexpr, M: tl.constexpr):
     return tl.interleave(w & M, (w >> S) & M)
 
@@ -144,6 +160,9 @@ def _dequant_tile(codes, c_sn, scale, zero, s_sn, s_sc, cb, tok, page, ok,
     d = tl.arange(0, D)[None, :]
     if KIND == 0:  # KIND_DENSE
         x = tl.load(codes + tok * c_sn + d, mask=ok, other=0.0).to(tl.float32)
+    elif KIND == 5:  # KIND_NUQ_WIDTHS
+        x = _width_units(codes, c_sn, tok, cb, d, ok)
+        x = _apply_scale(x, scale, zero, s_sn, s_sc, tok, page, d, ok, SCALE_AT, GROUP, HAS_ZERO, D)
     else:
         if KIND == 3 or KIND == 4:
             c = _codes_tile(codes, c_sn, tok, ok, BITS, D)
@@ -159,11 +178,14 @@ def _dequant_points(codes, c_sn, scale, zero, s_sn, s_sc, cb, tok, page, d, ok,
                     KIND: tl.constexpr, BITS: tl.constexpr, SCALE_AT: tl.constexpr, GROUP: tl.constexpr,
                     HAS_ZERO: tl.constexpr, D: tl.constexpr):
     """Dequantized elements (tok, d) float32, for a list of points (the outlier positions)."""
-    if KIND == 3 or KIND == 4:
-        c = _codes_bitstream(codes, c_sn, tok, d, ok, BITS)
+    if KIND == 5:  # KIND_NUQ_WIDTHS
+        x = _width_units(codes, c_sn, tok, cb, d, ok)
     else:
-        c = tl.load(codes + tok * c_sn + d, mask=ok, other=0)
-    x = _value_of(c, cb, KIND)
+        if KIND == 3 or KIND == 4:
+            c = _codes_bitstream(codes, c_sn, tok, d, ok, BITS)
+        else:
+            c = tl.load(codes + tok * c_sn + d, mask=ok, other=0)
+        x = _value_of(c, cb, KIND)
     return _apply_scale(x, scale, zero, s_sn, s_sc, tok, page, d, ok, SCALE_AT, GROUP, HAS_ZERO, D)
 
 

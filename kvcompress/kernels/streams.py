@@ -21,6 +21,8 @@ from kvcompress.quant.uniform import UniformCodec
 
 # value(code)
 KIND_DENSE, KIND_FP8E4, KIND_FP8E5, KIND_INT, KIND_NUQ = 0, 1, 2, 3, 4
+# nuq page keys with a width per channel (NuqCodec.channel_widths): the codebook slot holds width_table()
+KIND_NUQ_WIDTHS = 5
 # where scale / zero are read
 SCALE_NONE, SCALE_TOKEN, SCALE_PAGE, SCALE_ROW, SCALE_HEAD = 0, 1, 2, 3, 4
 
@@ -108,6 +110,9 @@ def stream_args(codec: Codec, data: dict[str, torch.Tensor], row: dict[str, torc
     if cb.dtype != torch.float32 or not cb.is_contiguous():
         codec.codebook = cb = cb.float().contiguous()
     a.update(kind=KIND_NUQ, bits=codec.nbits, codebook=cb, codebook_head_stride=cb.shape[-1] if cb.dim() == 2 else 0)
+    if codec.channel_widths is not None:
+        table = width_table(codec, device)
+        a.update(kind=KIND_NUQ_WIDTHS, bits=8, codebook=table, codebook_head_stride=table.stride(0))
     a["rotation_signs"] = codec.rotation_signs
     a["affine_levels"] = _affine_levels(codec)
     if codec.axis == "channel":
@@ -132,6 +137,20 @@ def stream_args(codec: Codec, data: dict[str, torch.Tensor], row: dict[str, torc
         _same_strides(data["outlier_idx"], data["outlier_val"], "outlier_idx", "outlier_val")
         a.update(outlier_idx=data["outlier_idx"], outlier_val=data["outlier_val"], n_outliers=codec.n_outliers)
     return StreamArgs(**a)
+
+
+def width_table(codec: NuqCodec, device) -> torch.Tensor:
+    """int32 [H, D]: channel c of head h starts at bit `table >> 4` of its token's code stream and is
+    `table & 15` bits wide (pack_widths.py). Made once per codec and device, so decode steps, captured ones
+    included, never sync."""
+    cached = codec.__dict__.get("_width_table")
+    if cached is not None and cached.device == torch.device(device):
+        return cached
+    w = codec.channel_widths.detach().long().cpu()
+    start = torch.cumsum(w, -1) - w
+    table = ((start << 4) | w).to(torch.int32).contiguous().to(device)
+    codec.__dict__["_width_table"] = table
+    return table
 
 
 def _fp8_row_tensors(codec: Fp8Codec, device) -> tuple[torch.Tensor, torch.Tensor]:

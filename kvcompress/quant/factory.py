@@ -60,6 +60,7 @@ def make_codec(
             channel_mean=tensors.get("channel_mean"),
             channel_scale=tensors.get("channel_scale"),
             outlier_weight=tensors.get("outlier_weight"),
+            channel_widths=tensors.get("channel_widths"),
             outlier_dtype=torch.bfloat16 if dtype == torch.bfloat16 else torch.float16,
             **common,
         )

@@ -8,6 +8,9 @@ Each element is normalised, then coded as the index of the nearest of 2**b codeb
 - axis="page" (keys): per page and channel, the range [lo, hi] of the non-outlier elements, stored
   as scale = (hi - lo) / 2 and zero = (hi + lo) / 2 in fp16 or FP8 (page_range.py);
   u = (x - zero) / scale in [-1, 1].
+  With calibrated `channel_widths` [H, D] (calib/widths.py) channel c takes its own number of bits
+  (0..8, uniform levels on the page range; 0 keeps the page's zero), packed as one bit stream per token
+  (pack_widths.py): channels whose rounding moves attention scores most get more of the same bits.
   Post-RoPE keys drift along the sequence, so a range per page follows them where frozen statistics
   cannot (measured on SmolLM2 keys: 27.6 dB against 21.0 dB for frozen per-channel statistics at
   4 bits, pages of 64, 1% outliers). The default codebook here is
@@ -34,6 +37,14 @@ from kvcompress.quant.base import Codec, FieldKind, Role
 from kvcompress.quant.codebook import default_codebook, nearest_level
 from kvcompress.quant.outlier_select import weighted_range_outliers
 from kvcompress.quant.pack import pack, packed_width, unpack
+from kvcompress.quant.pack_widths import (
+    MAX_WIDTH,
+    bit_map,
+    pack_widths,
+    stream_bits,
+    unpack_widths,
+    widths_packed_width,
+)
 from kvcompress.quant.page_range import ZERO_TOKEN, as_float8, as_stored, page_range, token_scale
 from kvcompress.quant.rotation import rotate, unrotate
 
@@ -49,12 +60,16 @@ class NuqCodec(Codec):
     channel_mean: torch.Tensor | None = None  # [H, D] calibrated
     channel_scale: torch.Tensor | None = None  # [H, D] calibrated
     outlier_weight: torch.Tensor | None = None  # [H, D] calibrated query energy per key channel (outlier_select)
+    channel_widths: torch.Tensor | None = None  # [H, D] uint8 calibrated bits per key channel (axis "page")
     outlier_dtype: torch.dtype = torch.float16
     default_codebook: str = "gaussian"  # one of config.CODEBOOKS: levels used when none are given
     scale_format: str = "fp16"  # how scales (and page zeros) are stored: "fp16", "e4m3", "e5m2" (page_range)
     _range_checked: bool = field(default=False, init=False, repr=False, compare=False)  # see page_range
+    _stream_bits: int = field(default=0, init=False, repr=False, compare=False)  # code bits per token (widths)
 
     def __post_init__(self):
+        if self.channel_widths is not None:
+            self._check_widths()
         if self.codebook is None:
             if self.axis == "page":
                 self.codebook = torch.linspace(-1.0, 1.0, 2**self.nbits)
@@ -72,6 +87,26 @@ class NuqCodec(Codec):
                     f"outlier_weight has shape {tuple(self.outlier_weight.shape)}, expected [kv heads, head dim] = "
                     f"[{self.num_heads}, {self.head_dim}]: the config was calibrated for another model"
                 )
+
+    def _check_widths(self) -> None:
+        w = self.channel_widths
+        if self.axis != "page" or self.rotation_signs is not None or self.codebook is not None:
+            raise ConfigError(
+                "channel_widths code each key channel on its page range with its own uniform levels: they need "
+                "nuq axis='page' without rotation or a codebook tensor (drop the tensor for this stream)"
+            )
+        if tuple(w.shape) != (self.num_heads, self.head_dim):
+            raise ConfigError(
+                f"channel_widths has shape {tuple(w.shape)}, expected [kv heads, head dim] = "
+                f"[{self.num_heads}, {self.head_dim}]: the config was calibrated for another model"
+            )
+        if w.dtype.is_floating_point or bool((w < 0).any()) or bool((w > MAX_WIDTH).any()):
+            raise ConfigError(f"channel_widths must be integers in 0..{MAX_WIDTH}; got {w.dtype} in "
+                              f"[{float(w.min())}, {float(w.max())}]")
+        try:
+            self._stream_bits = stream_bits(w)
+        except ValueError as e:
+            raise ConfigError(f"channel_widths: {e}; recalibrate (calib/widths.py keeps the totals equal)") from e
 
     @property
     def n_outliers(self) -> int:
@@ -121,6 +156,8 @@ class NuqCodec(Codec):
             t["channel_mean"], t["channel_scale"] = self.channel_mean, self.channel_scale
         if self.outlier_weight is not None:
             t["outlier_weight"] = self.outlier_weight
+        if self.channel_widths is not None:
+            t["channel_widths"] = self.channel_widths
         return t
 
     # -- statistics ---------------------------------------------------------------------------
@@ -186,8 +223,30 @@ class NuqCodec(Codec):
             self._range_checked = True
             out["scale"] = as_stored(scale)
             u = xf / scale.float()
-        out["codes"] = pack(self._nearest(u), self.nbits)
+        if self.channel_widths is not None:
+            out["codes"] = pack_widths(self._width_codes(u), self.channel_widths, self._bit_map(u.device))
+        else:
+            out["codes"] = pack(self._nearest(u), self.nbits)
         return out
+
+    def _bit_map(self, device):
+        """pack_widths.bit_map of the widths on `device`, from the stream's length counted once (encode and
+        decode of captured steps must not sync with the host; nothing is kept, so memory_report holds)."""
+        return bit_map(self.channel_widths.to(device), self._stream_bits)
+
+    def _width_levels(self, device) -> torch.Tensor:
+        """[1, H, 1, D] levels - 1 per channel (0 for channels of width 0)."""
+        w = self.channel_widths.to(device).long()
+        return ((1 << w) - 1).float()[None, :, None, :]
+
+    def _width_codes(self, u: torch.Tensor) -> torch.Tensor:
+        """u [B, H, N, D] in [-1, 1] -> the nearest of each channel's 2**width uniform levels (ends on the range)."""
+        top = self._width_levels(u.device)
+        return torch.round((u + 1.0) * 0.5 * top).clamp_min(0).long()
+
+    def _width_units(self, q: torch.Tensor) -> torch.Tensor:
+        top = self._width_levels(q.device)
+        return torch.where(top > 0, q.float() / top.clamp_min(1.0) * 2.0 - 1.0, torch.zeros((), device=q.device))
 
     def _outlier_mask(self, u, out, xf):
         """Pick the top |u| elements of each page (or of each token, with outlier_scope "token"); record
@@ -219,10 +278,15 @@ class NuqCodec(Codec):
         return torch.stack([nearest_level(u[:, i], cb[i]) for i in range(u.shape[1])], 1)
 
     def decode(self, f, row, dtype):
-        q = unpack(f["codes"], self.nbits, self.head_dim).long()  # [B, H, N, D]
+        if self.channel_widths is not None:
+            q = unpack_widths(f["codes"], self.channel_widths, self._bit_map(f["codes"].device))  # [B, H, N, D]
+        else:
+            q = unpack(f["codes"], self.nbits, self.head_dim).long()
         b, h, n, d = q.shape
         cb = self.codebook.to(q.device)
-        if cb.dim() == 1:
+        if self.channel_widths is not None:
+            u = self._width_units(q)
+        elif cb.dim() == 1:
             u = cb[q]
         else:
             u = torch.gather(cb[None, :, None, :].expand(b, h, n, -1), -1, q)
@@ -252,7 +316,10 @@ class NuqCodec(Codec):
 
     @property
     def bits(self):
-        b = packed_width(self.head_dim, self.nbits) * 8 / self.head_dim
+        if self.channel_widths is not None:
+            b = widths_packed_width(self.channel_widths) * 8 / self.head_dim
+        else:
+            b = packed_width(self.head_dim, self.nbits) * 8 / self.head_dim
         scale_bits = 16.0 if self.scale_format == "fp16" else 8.0
         if self.axis == "token":
             b += scale_bits / self.head_dim
