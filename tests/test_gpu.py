@@ -746,12 +746,16 @@ def test_calibrated_evicting_mixed_config_triton_steps_equal_torch_steps(setting
         assert {p.sparsity.method for p in cfg.layers} >= {"h2o"}
     else:
         assert all("key.outlier_weight" in p.tensors for p in cfg.layers)
-    model = model.to(DEV)
-    ids = torch.randint(3, 256, (1, 1000), generator=torch.Generator().manual_seed(0)).to(DEV)
+    ids = torch.randint(3, 256, (1, 1000), generator=torch.Generator().manual_seed(0))
+    _triton_steps_equal_torch_steps(model.to(DEV), ids.to(DEV), cfg, 24, monkeypatch)
 
-    want, want_cache = _greedy_steps(model, ids, cfg, 24, monkeypatch, "torch")
-    forced = [want[:, i:i + 1].argmax(-1) for i in range(24)]
-    got, got_cache = _greedy_steps(model, ids, cfg, 24, monkeypatch, "triton", forced)
+
+def _triton_steps_equal_torch_steps(model, ids, cfg, steps, monkeypatch):
+    """`steps` greedy tokens on the torch path; the Triton path teacher-forced on them gives the same logits
+    (fp32 model), the same argmax and holds the same bytes."""
+    want, want_cache = _greedy_steps(model, ids, cfg, steps, monkeypatch, "torch")
+    forced = [want[:, i:i + 1].argmax(-1) for i in range(steps)]
+    got, got_cache = _greedy_steps(model, ids, cfg, steps, monkeypatch, "triton", forced)
     assert got_cache.memory_report()["held_bytes"] == want_cache.memory_report()["held_bytes"]
     assert (got - want).abs().max() <= 1e-3 * want.abs().max(), (got - want).abs().max()
     assert torch.equal(got.argmax(-1), want.argmax(-1))
@@ -766,11 +770,5 @@ def test_width_coded_keys_triton_steps_equal_torch_steps(monkeypatch):
 
     model = make_tiny_model("llama", num_hidden_layers=3, head_dim=64)
     cfg = width_config(model)
-    model = model.to(DEV)
-    ids = torch.randint(3, 256, (2, 700), generator=torch.Generator().manual_seed(3)).to(DEV)
-    want, want_cache = _greedy_steps(model, ids, cfg, 24, monkeypatch, "torch")
-    forced = [want[:, i:i + 1].argmax(-1) for i in range(24)]
-    got, got_cache = _greedy_steps(model, ids, cfg, 24, monkeypatch, "triton", forced)
-    assert got_cache.memory_report()["held_bytes"] == want_cache.memory_report()["held_bytes"]
-    assert (got - want).abs().max() <= 1e-3 * want.abs().max(), (got - want).abs().max()
-    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    ids = torch.randint(3, 256, (2, 700), generator=torch.Generator().manual_seed(3))
+    _triton_steps_equal_torch_steps(model.to(DEV), ids.to(DEV), cfg, 24, monkeypatch)
