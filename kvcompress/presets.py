@@ -6,17 +6,18 @@ Sliding-window layers always stay exact (they are bounded already). Quantization
   of 32 channels (of the largest power of two dividing the head dim where 32 does not), the
   newest 128 tokens in full precision); int2 also keeps 8 sinks exact and fits each
   key group's range by least squares instead of spanning its min and max.
-- nuq4 / nuq3 / nuq2: keys coded on each page's per-channel range (pages of 32 tokens, 16 for nuq2;
-  post-RoPE keys drift, so a range per page follows them) with 1% outliers per page kept exactly; values
-  normalised per token with a Lloyd-Max codebook (until calibrated): nuq4 a Student-t (5 dof) one and no
-  value outliers, 4 exact sinks and the newest 16 tokens exact; nuq3 / nuq2 values Hadamard-rotated onto
-  a Gaussian one (TurboQuant), no value outliers, 2% key outliers for nuq3, 8 sinks and the newest 64
-  (nuq3) or 32 (nuq2) exact. Every nuq scale is one byte (FP8 e4m3 key page ranges, e5m2 value scales).
-- nuq4-fast: nuq4 without key outliers, for the fused kernel's speed: no exact corrections to gather, so
-  it decodes faster than bf16 SDPA (1.15x at 32K x 8 on an H200, against nuq4's 0.83x) at 4.49 bits per
-  element (nuq4 4.65) and, on SmolLM2, the same quality within one window's spread (BENCHMARKS.md, "The
-  `nuq4-fast` preset"). Models with sharper per-token key spikes may need nuq4's outliers: compare the two
-  with `kvcompress eval -p nuq4 -p nuq4-fast` on your model.
+- nuq4 / nuq3 / nuq2: keys coded on each page's per-channel range (pages of 48 tokens for nuq4, 32 for
+  nuq3, 16 for nuq2; post-RoPE keys drift, so a range per page follows them) with 1% outliers per page
+  kept exactly; values normalised per token with a Lloyd-Max codebook (until calibrated): nuq4 a Student-t
+  (5 dof) one and no value outliers, 4 exact sinks and the newest 16 tokens exact; nuq3 / nuq2 values
+  Hadamard-rotated onto a Gaussian one (TurboQuant), no value outliers, 2% key outliers for nuq3, 8 sinks
+  and the newest 64 (nuq3) or 32 (nuq2) exact. Every nuq scale is one byte (FP8 e4m3 key page ranges, e5m2
+  value scales).
+- nuq4-fast: nuq4 without key outliers, on key pages of 32, for the fused kernel's speed: no exact
+  corrections to gather, so it decodes faster than bf16 SDPA (1.15x at 32K x 8 on an H200, against nuq4's
+  0.83x on pages of 32) at 4.49 bits per element (nuq4 4.57) and, on SmolLM2, the same quality within one
+  window's spread (BENCHMARKS.md, "The `nuq4-fast` preset"). Models with sharper per-token key spikes may
+  need nuq4's outliers: compare the two with `kvcompress eval -p nuq4 -p nuq4-fast` on your model.
 - nuq4-vrot: nuq4 with its values Hadamard-rotated onto the Gaussian codebook, as nuq3 / nuq2 hold them:
   the same bits, attention outputs 0.7-7.4 dB cleaner per layer on SmolLM2 and better long-context
   retrieval (BENCHMARKS.md); calibration has no levels to fit on such values.
@@ -74,7 +75,10 @@ def value_group(head_dim: int, target: int = 32) -> int:
     return g
 
 
-def _nuq(bits: int, outliers: float = 0.01, rotated_values: bool = False) -> LayerFn:
+NUQ4_PAGE = 48  # tokens per key page of nuq4 / nuq4-vrot (a multiple of 16: the fused kernels read tiles of 16)
+
+
+def _nuq(bits: int, outliers: float = 0.01, rotated_values: bool = False, page: int = NUQ4_PAGE) -> LayerFn:
     # Measured on SmolLM2 (1024 tokens, prefill 512, decode 512), 4 bits: keys per page of 32 with the
     # newest 32 tokens exact -0.44% ppl; keys frozen per channel, pages of 64, no window +1.22%; keys
     # per page of 64 with a 64-token window +0.65%. Finer key pages matter most.
@@ -86,11 +90,16 @@ def _nuq(bits: int, outliers: float = 0.01, rotated_values: bool = False) -> Lay
     # values did better still (below).
     # One-byte scales at 4 bits (2026-12-01, bf16 model, 2048 tokens): FP8 e4m3 page ranges for keys and
     # e5m2 token scales for values take 4.96 -> 4.65 bits per element all-in, -0.23% -> -0.71% ppl.
+    # Key pages of 48 tokens (2026-12-07, BENCHMARKS.md "nuq4 on key pages of 48"): a third less key range
+    # metadata (4.48 -> 4.39 bits stored), and at 2047 cached tokens the same 31 exact ones as pages of 32
+    # (4 sinks + 27), so 4.57 bits all-in at 2048 where pages of 32 held 4.65; SmolLM2's KL divergence no
+    # higher (float32: 1.91e-3 / 1.94e-3 at 1024, 1.99e-3 / 2.22e-3 at 2048; bf16 ppl at 2048 -0.65 % /
+    # -0.06 %). nuq4-fast keeps pages of 32, the layout its speed was measured on.
     key, value = nuq_specs(bits, outliers)
     if bits == 4:
         if rotated_values:  # as nuq3 / nuq2 hold them: Hadamard-rotated onto the Gaussian levels
             value = replace(value, rotation=True, codebook="gaussian")
-        return _uniform(LayerPolicy(key=key, value=value, page_size=32, residual=16, sinks=4))
+        return _uniform(LayerPolicy(key=key, value=value, page_size=page, residual=16, sinks=4))
     # nuq3 keeps the newest 64 tokens exact (bf16 model, BENCHMARKS.md "nuq3 with a 64-token exact window"):
     # +0.136% at 4096 (32 tokens: +0.441%, quanto int4 +0.267%), +0.890% at 2048 (+1.454%; quanto +1.166%),
     # +0.215% over 4 windows of 1024 (+0.361%), for 0.10 more bits per element at 4096.
@@ -168,7 +177,7 @@ PRESETS: dict[str, LayerFn] = {
     "nuq4": _nuq(4),
     "nuq3": _nuq(3),
     "nuq2": _nuq(2),
-    "nuq4-fast": _nuq(4, outliers=0.0),
+    "nuq4-fast": _nuq(4, outliers=0.0, page=32),
     # nuq4 with its values Hadamard-rotated onto the Gaussian levels, same bits. On SmolLM2 in bf16
     # (BENCHMARKS.md, "What a value codec costs attention"): every layer's attention output 0.7-7.4 dB
     # cleaner, the KL divergence from the uncompressed cache 28 % lower over 4 windows of 1024, the passkey

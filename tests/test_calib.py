@@ -85,7 +85,7 @@ def test_calibrated_file_loads_with_the_model_fingerprint(smollm2, nuq4_config):
 def test_compressed_cache_from_calibrated_file_generates(smollm2, nuq4_config, calib_text):
     model, tok = smollm2
     _, path = nuq4_config
-    ids = tok(calib_text[-600:], return_tensors="pt").input_ids[:, :100]  # > sinks + one page: pages are coded
+    ids = tok(calib_text[-1500:], return_tensors="pt").input_ids[:, :160]  # sinks + 3 pages of 48 + a tail
     cache = CompressedCache(model.config, str(path))
     out = model.generate(ids, **with_cache(cache), max_new_tokens=6, do_sample=False)
     assert out.shape[1] == ids.shape[1] + 6
@@ -95,7 +95,8 @@ def test_compressed_cache_from_calibrated_file_generates(smollm2, nuq4_config, c
 
 def test_fitted_codebooks_code_their_calibration_tokens_better_than_gaussian_levels(smollm2, nuq4_config, calib_text):
     """The codebooks are fitted in the codec's own normalisation: pushed through the real NuqCodec, the
-    calibration window's keys and values come back closer (in dB) than with the Gaussian Lloyd-Max levels."""
+    calibration window's keys come back closer (in dB) than with the Gaussian Lloyd-Max levels in every layer
+    tried, its values on average over them and never much worse."""
     from dataclasses import replace
 
     from kvcompress.calib.collect import CollectSettings, collect
@@ -109,6 +110,7 @@ def test_fitted_codebooks_code_their_calibration_tokens_better_than_gaussian_lev
     stats = collect(model, window, CollectSettings(samples=1, seq_len=window.shape[1], batch_size=1,
                                                    sample_tokens=16, weighting="none"), progress=False)
     preset = KVCompressConfig.from_preset("nuq4", model.config)
+    gains = []  # dB by which the fitted value levels beat the Gaussian ones
     for i in (1, 15, 28):
         # the preset's values with k-means levels as fitted, before calibrate widens their ends toward the
         # preset's (fit.widen_outer_levels), which gives up squared error for the rare large elements; the
@@ -125,7 +127,12 @@ def test_fitted_codebooks_code_their_calibration_tokens_better_than_gaussian_lev
             k_hat, v_hat = stored(policy, k, v)
             return [10 * torch.log10(x.pow(2).sum() / (x - y).pow(2).sum()) for x, y in ((k, k_hat), (v, v_hat))]
         fitted, oblivious = sqnr(layer), sqnr(replace(layer, tensors=gauss))
-        assert fitted[0] > oblivious[0] and fitted[1] > oblivious[1], (i, fitted, oblivious)
+        # keys by about 6 dB in every layer; values by about 2.5 dB in layers 1 and 15, within 0.2 dB either
+        # way in layer 28 (where calibrate's value choice may rotate them instead)
+        assert fitted[0] > oblivious[0] + 3, (i, fitted, oblivious)
+        assert fitted[1] > oblivious[1] - 0.5, (i, fitted, oblivious)
+        gains.append(float(fitted[1] - oblivious[1]))
+    assert sum(gains) / len(gains) > 1.0, gains
 
 
 def test_config_from_one_model_is_refused_for_another(nuq4_config, tiny_model):

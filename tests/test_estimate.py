@@ -63,14 +63,15 @@ def test_preset_bits_come_from_the_codecs():
     # fp8 codes + one fp16 scale per token and head, for the 4016 tokens in pages of 16; the 4 sinks and the
     # 64-token window + 12 tokens of the partly filled page stay in bf16
     assert r["bits_per_element"] == pytest.approx((4016 * (8 + 16 / 64) + 80 * 16) / 4096)
-    r = estimate_memory(layout, KVCompressConfig.from_preset("nuq4", layout), 4 + 32 + 32 * 199, 1, torch.bfloat16)
-    # keys: 4-bit codes + an FP8 scale and zero per channel per 32-token page + 21 outliers (int16 position +
-    # fp16 value) per 32x64 page; values: 4-bit codes + an FP8 scale per token; 4 sinks and the 32-token
-    # window in bf16; plus the two float32 codebooks of 16 levels, once per layer
-    body = 4 + (16 / 32) / 2 + (8 / 64) / 2 + 21 * 32 / (32 * 64) / 2
-    tokens = 36 + 32 * 199
+    r = estimate_memory(layout, KVCompressConfig.from_preset("nuq4", layout), 4 + 48 + 48 * 199, 1, torch.bfloat16)
+    # keys: 4-bit codes + an FP8 scale and zero per channel per 48-token page + 31 outliers (int16 position +
+    # fp16 value) per 48x64 page; values: 4-bit codes + an FP8 scale per token; 4 sinks and the 48-token
+    # window (a page waits until 16 newer tokens follow it) in bf16; plus the two float32 codebooks of 16
+    # levels, once per layer
+    body = 4 + (16 / 48) / 2 + (8 / 64) / 2 + 31 * 32 / (48 * 64) / 2
+    tokens = 52 + 48 * 199
     codebooks = 2 * 16 * 32 / (tokens * 2 * (64 + 64))
-    assert r["bits_per_element"] == pytest.approx((32 * 199 * body + 36 * 16) / tokens + codebooks, rel=1e-6)
+    assert r["bits_per_element"] == pytest.approx((48 * 199 * body + 52 * 16) / tokens + codebooks, rel=1e-6)
 
 
 def test_cli_json_with_config_file(tmp_path):

@@ -146,22 +146,24 @@ def test_fp8_bodies_and_merges_equal_the_twin(name):
     compare(parts, q2, None, TOL[LOW])
 
 
-ASM_CASES = [("int4", torch.bfloat16), ("int2", torch.bfloat16), ("int4-vtok", torch.float16),
-             ("nuq4-kout", torch.bfloat16), ("nuq2-page", torch.float16)]
+ASM_CASES = [("int4", torch.bfloat16, 32), ("int2", torch.bfloat16, 32), ("int4-vtok", torch.float16, 32),
+             ("nuq4-kout", torch.bfloat16, 32), ("nuq2-page", torch.float16, 32),
+             ("nuq4-kout", torch.bfloat16, 48), ("int4", torch.bfloat16, 48)]  # 48: nuq4's pages, tiles of 16
 
 
 @pytest.mark.skipif(DEV != "cuda", reason="inline PTX runs on the GPU only")
-@pytest.mark.parametrize("name,dtype", ASM_CASES, ids=[f"{n}-{str(d)[6:]}" for n, d in ASM_CASES])
-def test_phase_kernel_asm_unpack_equals_triton_ops(name, dtype):
+@pytest.mark.parametrize("name,dtype,page", ASM_CASES, ids=[f"{n}-{str(d)[6:]}-p{p}" for n, d, p in ASM_CASES])
+def test_phase_kernel_asm_unpack_equals_triton_ops(name, dtype, page):
     """Int codes unpacked by inline PTX (several per instruction) give the operands that Triton's one-code
     ops give: the same output bit for bit, with and without a page list, at Llama-3.1-8B layer size; and
-    both equal the torch twin."""
+    both equal the torch twin. Pages of 48 (the nuq4 preset's) are read in tiles of 16 inside a page."""
     from kvcompress.kernels.decode_attention_triton import decode_attention_triton
 
-    parts = to_cuda(make_parts(name, b=3, hkv=8, d=128, pages=64, page=32, sinks=4, tail=31,
+    n_pages = 2048 // page + 1
+    parts = to_cuda(make_parts(name, b=3, hkv=8, d=128, pages=n_pages, page=page, sinks=4, tail=31,
                                lengths=[2048, 1500, 77], seed=31, dtype=dtype))
     q = torch.randn(3, 32, 128, generator=torch.Generator().manual_seed(32)).to(dtype).to(DEV)
-    for pl in (None, random_page_list(3, 8, 64, 20, seed=33).to(DEV)):
+    for pl in (None, random_page_list(3, 8, n_pages, n_pages // 3, seed=33).to(DEV)):
         asm, asm_p = decode_attention_triton(q, parts, 128 ** -0.5, pl, return_probs=True, unpack="asm")
         ops, ops_p = decode_attention_triton(q, parts, 128 ** -0.5, pl, return_probs=True, unpack="ops")
         assert torch.equal(asm, ops) and torch.equal(asm_p, ops_p)

@@ -447,6 +447,36 @@ def test_phase_kernel_is_used_and_equals_the_others(name, d, lut, monkeypatch):
         assert len(launches) == n
 
 
+@needs_triton
+@pytest.mark.parametrize("name", ["nuq4-kout", "nuq4", "int4"])
+def test_pages_of_48_tokens(name, monkeypatch):
+    """Pages whose size is not a power of two (48): the phase kernel reads them in tiles of 16 inside a
+    page (a spy says it ran), the general kernel in blocks of 16 (phase_kernel=False; the paged kernel's
+    tiles are whole pages, so it is passed over); both equal the twin, with ragged rows and a page list."""
+    from kvcompress.kernels import decode_phase_triton as phase
+
+    assert phase.phase_block(48, None) == 16 and phase.phase_block(48, 8) == 8 and phase.phase_block(32, None) == 32
+    with pytest.raises(ValueError, match="power of two"):
+        phase.phase_block(48, 24)
+    launches = []
+    real = phase._phase_split_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(phase, "_phase_split_kernel", Spy())
+    parts = make_parts(name, b=2, hkv=2, d=64, pages=4, page=48, lengths=[192, 101], seed=50)
+    q = torch.randn(2, 6, 64, generator=torch.Generator().manual_seed(51))
+    for pl in (None, random_page_list(2, 2, 4, 3, seed=52)):
+        n = len(launches)
+        check_triton(parts, q, pl, block_n=None)
+        assert len(launches) == n + (name != "nuq4")  # nuq4 here: per-channel keys, the general kernel
+        check_triton(parts, q, pl, block_n=None, phase_kernel=False)
+        assert len(launches) == n + (name != "nuq4")
+
+
 @pytest.mark.parametrize("per_head", [False, True])
 def test_level_tables_hold_each_level_byte_by_byte(per_head):
     """The byte tables of a 4-bit codebook that the GPU's byte-permute lookup reads: byte j of column k

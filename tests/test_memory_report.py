@@ -108,21 +108,24 @@ def test_quantized_report_matches_held_tensors(preset):
 
 
 def test_nuq4_fast_is_nuq4_without_the_outlier_store():
-    """nuq4-fast: nuq4's policy with the key outlier fraction at 0 (GQA and MLA layouts), so its pages hold
-    no outlier side store and the same cache holds fewer bytes by exactly nuq4's outlier tensors."""
+    """nuq4-fast: nuq4's policy with the key outlier fraction at 0 (GQA and MLA layouts; on GQA on 32-token
+    key pages, nuq4's are 48), so its pages hold no outlier side store, and nuq4 on nuq4-fast's pages holds
+    more bytes by exactly its outlier tensors."""
     from dataclasses import replace
 
     from kvcompress.config import KVCompressConfig, ModelLayout
 
-    for layout in (ModelLayout("llama", 2, 3, 64, 64, ("full_attention",) * 2),
-                   ModelLayout("deepseek_v3", 2, 1, 512, 64, ("full_attention",) * 2, attention="mla")):
+    for layout, page in ((ModelLayout("llama", 2, 3, 64, 64, ("full_attention",) * 2), 32),
+                         (ModelLayout("deepseek_v3", 2, 1, 512, 64, ("full_attention",) * 2, attention="mla"), 64)):
         base, fast = (KVCompressConfig.from_preset(n, layout).layers[0] for n in ("nuq4", "nuq4-fast"))
-        assert base.key.outlier_fraction > 0 and fast.key.outlier_fraction == 0
-        assert fast == replace(base, key=replace(base.key, outlier_fraction=0.0))
+        assert base.key.outlier_fraction > 0 and fast.key.outlier_fraction == 0 and fast.page_size == page
+        assert fast == replace(base, key=replace(base.key, outlier_fraction=0.0), page_size=page)
     model = make_tiny_model("llama", head_dim=64)
+    nuq4 = KVCompressConfig.from_preset("nuq4", model.config)
+    nuq4 = replace(nuq4, layers=[replace(p, page_size=32) for p in nuq4.layers])
     caches = {}
-    for name in ("nuq4", "nuq4-fast"):
-        caches[name] = CompressedCache(model.config, name)
+    for name, cfg in (("nuq4", nuq4), ("nuq4-fast", "nuq4-fast")):
+        caches[name] = CompressedCache(model.config, cfg)
         run(model, caches[name], prefill=170, decode_steps=2)
     outliers = 0
     for slow, fast in zip(caches["nuq4"].layers, caches["nuq4-fast"].layers):

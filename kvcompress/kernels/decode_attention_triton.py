@@ -644,6 +644,8 @@ def decode_attention_triton(
         value_args, dv, page_size, False)
     by_phase = paged and phase_kernel and phase.phase_supported(key_args, value_args, dk, dv)
     by_fp8 = paged and not by_phase and fast.is_fp8(key_args) and fast.is_fp8(value_args)
+    if paged and not (by_phase or by_fp8) and page_size & (page_size - 1):
+        paged = False  # the paged kernel's tiles are whole pages, and tl.arange needs powers of two
     if fp8_phase and not by_fp8:
         raise ValueError("fp8_phase=True is for caches whose keys and values are both fp8 (the fp8 kernel): "
                          "pass fp8_phase=None")
@@ -652,6 +654,8 @@ def decode_attention_triton(
     elif block_n is None:  # measured on an H200 (BENCHMARKS.md): fp8 32, else 64 with outliers, else 128
         has_out = paged and bool(key_args.n_outliers or value_args.n_outliers)
         block_n = 32 if by_fp8 else 128 if paged and not has_out else 64
+        if not paged and page_size & (page_size - 1):  # outliers need tiles inside pages or of whole pages
+            block_n = min(block_n, page_size & -page_size)
     if by_phase:
         gq = _next_pow2(group)
         magic, shift = phase.phase_magic(key_args.kind, key_args.bits, dot)
@@ -669,7 +673,7 @@ def decode_attention_triton(
             KIND=key_args.kind, BITS=key_args.bits, V_GROUP=value_args.group, V_HAS_ZERO=value_args.has_zero,
             K_NOUT=key_args.n_outliers, K_KCP=max(16, _next_pow2(key_args.n_outliers)),
             K_TOK=getattr(parts.key.codec, "outliers_per_token", 0) if key_args.n_outliers else 0,
-            OPB=block_n // page_size, LUT=phase.LUTS[lut or "shuffle"],
+            OPB=max(block_n // page_size, 1), LUT=phase.LUTS[lut or "shuffle"],
             PHK=fast.phases(key_args, dk), PHV=fast.phases(value_args, dv), WK=fast.words(key_args, dk),
             WV=fast.words(value_args, dv), K_WB=fast.word_bits(key_args, dk), V_WB=fast.word_bits(value_args, dv),
             MAGIC=magic, SHIFT=shift, GQ=gq, NGP=_next_pow2(max(dv // value_args.group, -(-8 // gq))),

@@ -93,7 +93,15 @@ def phase_magic(kind: int, bits: int, dot_dtype: str) -> tuple[int, int]:
 
 
 def phase_block(page_size: int, block_n: int | None) -> int:
-    """Tokens per tile: whole pages, 32 unless asked (one page of the int presets; measured best)."""
+    """Tokens per tile: whole pages, 32 unless asked (one page of the int presets; measured best). A page
+    whose size is not a power of two (48) is read a part at a time: tiles of the largest power of two that
+    divides it, at most 32 or block_n (tl.arange needs powers of two)."""
+    if page_size & (page_size - 1):
+        bn = page_size & -page_size
+        cap = 32 if block_n is None else block_n
+        if cap & (cap - 1):
+            raise ValueError(f"block_n must be a power of two for pages of {page_size} tokens, got {block_n}")
+        return min(bn, cap)
     bn = max(32 if block_n is None else block_n, page_size)
     return -(-bn // page_size) * page_size
 
@@ -259,7 +267,7 @@ def _phase_split_kernel(
     PPB: tl.constexpr = 8 // BITS  # codes per byte
     K_ASM: tl.constexpr = ASM and K_INT
     V_ASM: tl.constexpr = ASM and IS_INT
-    tl.static_assert(BN % P == 0)
+    tl.static_assert(BN % P == 0 or P % BN == 0)  # whole pages, or a part of one page (OPB 1)
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
     NS = n_body_splits + 1
@@ -364,7 +372,7 @@ def _phase_split_kernel(
             # -- scores^T [BN, GQ], a page at a time (each folds its own key scales into the query)
             kw = _words(kc, kc_step, tok, ok, WK, False)  # [BN, WK]
             sT = tl.zeros([BN, GQ], tl.float32)
-            for j in tl.static_range(BN // P):
+            for j in tl.static_range(OPB):
                 if HAS_PL:  # an empty slot (-1) reads page 0's scales: its tokens are masked out (ok)
                     kpage = tl.maximum(tl.load(pl + l0 // P + j, mask=l0 + j * P < end, other=0), 0)
                 else:
