@@ -477,6 +477,16 @@ def test_pages_of_48_tokens(name, monkeypatch):
         assert len(launches) == n + (name != "nuq4")
 
 
+@needs_triton
+def test_value_levels_by_asm_only_on_checked_triton():
+    """The inline-PTX value level lookup is offered only up to the Triton release it was run on (3.6): 3.9's
+    compiler aborts on it, so later releases read value levels by shuffle."""
+    from kvcompress.kernels.decode_attention_triton import value_levels_by_asm
+
+    assert value_levels_by_asm("3.6.0") and value_levels_by_asm("3.5.1+git1234")
+    assert not value_levels_by_asm("3.9.0") and not value_levels_by_asm("3.10.1") and not value_levels_by_asm("x")
+
+
 @pytest.mark.parametrize("per_head", [False, True])
 def test_level_tables_hold_each_level_byte_by_byte(per_head):
     """The byte tables of a 4-bit codebook that the GPU's byte-permute lookup reads: byte j of column k

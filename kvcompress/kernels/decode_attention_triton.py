@@ -505,6 +505,24 @@ def _cuda_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+# The newest Triton release whose compiler was seen to build the phase kernel's value levels read by inline
+# PTX (V_LUT_ASM): 3.6 runs it on the lent GPUs (tests/test_gpu.py). Triton 3.9's LLVM aborts the process
+# on it (an sm_90 compile without a GPU, 2026-12-07: "number of input constraints does not match number of
+# parameters"), which no try/except can catch; the keys' lookup compiled. Newer releases read the value
+# levels by warp shuffle instead until one is checked on a GPU.
+VALUE_LEVELS_ASM_UP_TO = (3, 6)
+
+
+def value_levels_by_asm(version: str | None = None) -> bool:
+    """Whether this Triton (or `version`) gets the phase kernel's inline-PTX value level lookup."""
+    parts = (version or triton.__version__).split("+")[0].split(".")
+    try:
+        major_minor = (int(parts[0]), int(parts[1]))
+    except (IndexError, ValueError):
+        return False
+    return major_minor <= VALUE_LEVELS_ASM_UP_TO
+
+
 def _lut_args(stream, wanted: bool, placeholder: torch.Tensor) -> tuple[torch.Tensor, int]:
     """(level tables [H or 1, 16], head stride: 0 for one codebook shared by every head) of a stream whose
     4-bit levels the phase kernel reads by byte permutes; (placeholder, 0) when it does not."""
@@ -666,7 +684,7 @@ def decode_attention_triton(
         # 4-bit codebooks read by byte permutes (inline PTX) need their byte tables; else a placeholder
         lut_asm = asm and lut in (None, "shuffle")
         k_lut = lut_asm and key_args.kind == KIND_NUQ and key_args.bits == 4 and not k_affine
-        v_lut = lut_asm and value_args.kind == KIND_NUQ and value_args.bits == 4
+        v_lut = lut_asm and value_args.kind == KIND_NUQ and value_args.bits == 4 and value_levels_by_asm()
         k_lt, klt_sh = _lut_args(parts.key, k_lut, q)
         v_lt, vlt_sh = _lut_args(parts.value, v_lut, q)
         kernel, extra = phase._phase_split_kernel, dict(
