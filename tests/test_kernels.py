@@ -407,6 +407,22 @@ def test_tail_length_on_the_device(name):
         assert rel_err(decode_attention_triton(q, padded, 0.125, block_n=16)[0], want) <= 1e-3
 
 
+def spy_phase_launches(monkeypatch) -> list:
+    """Patch decode_phase_triton's kernel with a spy: the returned list gets each launch's grid."""
+    from kvcompress.kernels import decode_phase_triton as phase
+
+    launches = []
+    real = phase._phase_split_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(phase, "_phase_split_kernel", Spy())
+    return launches
+
+
 @needs_triton
 @pytest.mark.parametrize("name,d,lut", [
     ("int4", 128, "select"), ("int4", 64, "select"), ("int2", 128, "select"), ("int2", 64, "select"),
@@ -418,18 +434,9 @@ def test_phase_kernel_is_used_and_equals_the_others(name, d, lut, monkeypatch):
     per token, values Hadamard-rotated) go through decode_phase_triton (a spy on its launch says so; int8 /
     int3 / nuq3 / per-channel nuq keys do not); on GQA 1 / 3 / 8, ragged rows, pages of 16 in tiles of 32 and a page
     list, it equals the twin and the paged kernel it replaces (phase_kernel=False)."""
-    from kvcompress.kernels import decode_phase_triton as phase
     from kvcompress.kernels.decode_attention_triton import decode_attention_triton
 
-    launches = []
-    real = phase._phase_split_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            launches.append(grid)
-            return real[grid]
-
-    monkeypatch.setattr(phase, "_phase_split_kernel", Spy())
+    launches = spy_phase_launches(monkeypatch)
     for g in (1, 3, 8):
         parts = make_parts(name, b=2, hkv=2, d=d, pages=5, page=16, lengths=[80, 37], seed=40 + g)
         q = torch.randn(2, 2 * g, d, generator=torch.Generator().manual_seed(41))
@@ -458,15 +465,7 @@ def test_pages_of_48_tokens(name, monkeypatch):
     assert phase.phase_block(48, None) == 16 and phase.phase_block(48, 8) == 8 and phase.phase_block(32, None) == 32
     with pytest.raises(ValueError, match="power of two"):
         phase.phase_block(48, 24)
-    launches = []
-    real = phase._phase_split_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            launches.append(grid)
-            return real[grid]
-
-    monkeypatch.setattr(phase, "_phase_split_kernel", Spy())
+    launches = spy_phase_launches(monkeypatch)
     parts = make_parts(name, b=2, hkv=2, d=64, pages=4, page=48, lengths=[192, 101], seed=50)
     q = torch.randn(2, 6, 64, generator=torch.Generator().manual_seed(51))
     for pl in (None, random_page_list(2, 2, 4, 3, seed=52)):
