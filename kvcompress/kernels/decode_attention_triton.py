@@ -662,8 +662,9 @@ def decode_attention_triton(
         value_args, dv, page_size, False)
     by_phase = paged and phase_kernel and phase.phase_supported(key_args, value_args, dk, dv)
     by_fp8 = paged and not by_phase and fast.is_fp8(key_args) and fast.is_fp8(value_args)
-    if paged and not (by_phase or by_fp8) and page_size & (page_size - 1):
-        paged = False  # the paged kernel's tiles are whole pages, and tl.arange needs powers of two
+    whole_pages = page_size & (page_size - 1) == 0  # tiles of whole pages (tl.arange needs powers of two)
+    if paged and not (by_phase or by_fp8) and not whole_pages:
+        paged = False  # the paged kernel's tiles are whole pages
     if fp8_phase and not by_fp8:
         raise ValueError("fp8_phase=True is for caches whose keys and values are both fp8 (the fp8 kernel): "
                          "pass fp8_phase=None")
@@ -672,7 +673,7 @@ def decode_attention_triton(
     elif block_n is None:  # measured on an H200 (BENCHMARKS.md): fp8 32, else 64 with outliers, else 128
         has_out = paged and bool(key_args.n_outliers or value_args.n_outliers)
         block_n = 32 if by_fp8 else 128 if paged and not has_out else 64
-        if not paged and page_size & (page_size - 1):  # outliers need tiles inside pages or of whole pages
+        if not (paged or whole_pages):  # outliers need tiles inside pages or of whole pages
             block_n = min(block_n, page_size & -page_size)
     if by_phase:
         gq = _next_pow2(group)
