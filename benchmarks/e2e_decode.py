@@ -78,6 +78,14 @@ def build_model(tiny: bool, device: torch.device):
     return model
 
 
+def warmup_steps(preset: str, tiny: bool) -> int:
+    """Untimed steps that fill and encode one page of every layer of `preset` (its largest page + 8)."""
+    from transformers import LlamaConfig
+
+    config = kvcompress.KVCompressConfig.from_preset(preset, LlamaConfig(**(TINY if tiny else LLAMA_8B)))
+    return max(layer.page_size for layer in config.layers) + 8
+
+
 def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -222,9 +230,9 @@ def main(argv=None) -> None:
     ap.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 32768, tiny 96)")
     ap.add_argument("--chunk", type=int, default=None, help="prefill chunk (default 2048, tiny 32)")
     ap.add_argument("--steps", type=int, default=None, help="timed decode steps (default 64, tiny 4)")
-    ap.add_argument("--warmup", type=int, default=40,
-                    help="untimed decode steps first: enough to fill and encode one page (32 tokens in the nuq4 "
-                         "preset) so that every kernel is compiled before the timing")
+    ap.add_argument("--warmup", type=int, default=None,
+                    help="untimed decode steps first (default: the preset's largest page + 8, 56 for nuq4's pages of "
+                         "48): enough to fill and encode one page so that every kernel is compiled before the timing")
     ap.add_argument("--preset", default="nuq4")
     ap.add_argument("--profile", type=int, default=0, help="also profile this many decode steps per cache")
     ap.add_argument("--graph", action="store_true",
@@ -239,6 +247,8 @@ def main(argv=None) -> None:
     args.prompt = args.prompt or (96 if args.tiny else 32768)
     args.chunk = args.chunk or (32 if args.tiny else 2048)
     args.steps = args.steps or (4 if args.tiny else 64)
+    if args.warmup is None:
+        args.warmup = warmup_steps(args.preset, args.tiny)
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     backend = select_backend(device)
