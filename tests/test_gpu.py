@@ -97,7 +97,7 @@ def test_fused_kernel_d64(name, gqa):
 
 
 @pytest.mark.parametrize("lut", ["select", "gather", "shuffle"])
-@pytest.mark.parametrize("name", ["nuq4-kout", "nuq2-page"])
+@pytest.mark.parametrize("name", ["nuq4-kout", "nuq2-page", "nuq3-vrot"])
 def test_phase_kernel_codebook_reads(name, lut):
     """The nuq layouts the phase kernel reads, with each way of reading the codebook, at Llama-3.1-8B layer
     size in bf16, with and without a page list."""

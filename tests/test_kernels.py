@@ -70,6 +70,9 @@ SPECS = {
     # the nuq2 preset: keys per page range, values Hadamard-rotated on a Gaussian codebook (phase kernel)
     "nuq2-vrot": (QuantSpec(method="nuq", bits=2, axis="page", outlier_fraction=0.01, scale_format="e4m3"),
                   QuantSpec(method="nuq", bits=2, axis="token", rotation=True, scale_format="e5m2")),
+    # the nuq3 preset: keys per page range with 2 % outliers, values Hadamard-rotated (phase kernel at d >= 128)
+    "nuq3-vrot": (QuantSpec(method="nuq", bits=3, axis="page", outlier_fraction=0.02, scale_format="e4m3"),
+                  QuantSpec(method="nuq", bits=3, axis="token", rotation=True, scale_format="e5m2")),
     "fp8": (QuantSpec(method="fp8"), QuantSpec(method="fp8")),
     "fp8-e5m2": (QuantSpec(method="fp8", fp8_format="e5m2"), QuantSpec(method="fp8", fp8_format="e5m2")),
     # calibrated fp8: static scales per head on streams shifted per channel (fp8 kernel), and fp8 shifted
@@ -455,6 +458,35 @@ def test_phase_kernel_is_used_and_equals_the_others(name, d, lut, monkeypatch):
 
 
 @needs_triton
+@pytest.mark.parametrize("name,lut", [("int3", "select"), ("nuq3-vrot", "select"), ("nuq3-vrot", "shuffle"),
+                                      ("nuq3-page", "gather")])
+def test_three_bit_codes_by_phase(name, lut, monkeypatch):
+    """3-bit codes (8 codes in 3 bytes) at head dim 128: the phase kernel reads each group of 8 as a 24-bit
+    word from the one or two 32-bit words it straddles (a spy says it ran). With GQA 1 / 4, ragged rows,
+    pages of 16 and 32 and a page list it equals the twin and the general kernel (phase_kernel=False). At
+    head dim 64 (8 groups, too few for a dot) the general kernel reads them."""
+    from kvcompress.kernels import decode_phase_triton as phase
+    from kvcompress.kernels.streams import stream_args
+
+    launches = spy_phase_launches(monkeypatch)
+    for g, page in ((1, 16), (4, 32)):
+        parts = make_parts(name, b=2, hkv=2, d=128, pages=4, page=page, lengths=[4 * page, 2 * page + 5],
+                           seed=60 + g)
+        q = torch.randn(2, 2 * g, 128, generator=torch.Generator().manual_seed(61))
+        for pl in (None, random_page_list(2, 2, 4, 3, seed=62)):
+            n = len(launches)
+            check_triton(parts, q, pl, block_n=None, lut=lut)
+            assert len(launches) == n + 1
+            check_triton(parts, q, pl, block_n=None, lut=lut, phase_kernel=False)
+            assert len(launches) == n + 1
+    key = stream_args(parts.key.codec, parts.key.data, parts.key.row)
+    assert (phase.word_bits(key, 128), phase.words(key, 128), phase.word_bits(key, 64)) == (24, 16, -1)
+    n = len(launches)
+    check_triton(make_parts(name, b=2, hkv=2, d=64, pages=3, seed=63), torch.randn(2, 6, 64), block_n=None)
+    assert len(launches) == n
+
+
+@needs_triton
 @pytest.mark.parametrize("name", ["nuq4-kout", "nuq4", "int4"])
 def test_pages_of_48_tokens(name, monkeypatch):
     """Pages whose size is not a power of two (48): the phase kernel reads them in tiles of 16 inside a
@@ -547,7 +579,7 @@ def test_phase_kernel_per_head_codebooks(lut):
         row = codec.prepare(x)
         streams.append(PackedStream(codec, codec.encode(x, row), row, n))
     k, v = (stream_args(st.codec, st.data, st.row) for st in streams)
-    assert k.codebook_head_stride == 16 and phase.phase_supported(k, v, d, d)
+    assert k.codebook_head_stride == 16 and phase.phase_supported(k, v, d, d, page)
     tails = [torch.randn(b, hkv, t, d, generator=g) for t in (2, 2, 5, 5)]
     parts = AttentionParts(streams[0], streams[1], *tails, torch.tensor([64, 41], dtype=torch.int32))
     q = torch.randn(b, 3 * hkv, d, generator=g)

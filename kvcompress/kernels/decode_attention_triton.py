@@ -597,8 +597,8 @@ def decode_attention_triton(
     kernels read nuq codebooks ("select": a select tree, "gather": a load per element, "shuffle": a warp
     shuffle from levels held in registers, the phase kernel only; the paged kernel reads "shuffle" as
     "gather"; None: measured best on an H200, "shuffle" in the phase kernel, "select" in the paged one),
-    phase_kernel: False keeps the caches that decode_phase_triton reads (KIVI int2 / int4, nuq4 / nuq2
-    keys per page) on decode_paged_triton (to compare the two), fp8_f16: False keeps fp8 caches' dots in
+    phase_kernel: False keeps the caches that decode_phase_triton reads (KIVI int2 / int3 / int4, nuq4 /
+    nuq3 / nuq2 keys per page) on decode_paged_triton (3-bit codes: the general kernel; to compare), fp8_f16: False keeps fp8 caches' dots in
     the model dtype (to compare; True: fp16 operands, see decode_fp8_triton), unpack: how the phase kernel
     turns int codes into bf16 / fp16 operands ("asm": inline PTX, several codes per instruction, the GPU
     only; "ops": Triton operations, one code at a time, the same values; None: "asm" where it runs),
@@ -650,7 +650,7 @@ def decode_attention_triton(
             sink_v, tail_v = _rotate(sink_v, value_args.rotation_signs), _rotate(tail_v, value_args.rotation_signs)
     sink_k, sink_v, tail_k, tail_v = map(_rows_contiguous, (sink_k, sink_v, tail_k, tail_v))
 
-    # the fast kernels when both streams fold (decode_fp8_triton for fp8, decode_phase_triton for 2- and
+    # the fast kernels when both streams fold (decode_fp8_triton for fp8, decode_phase_triton for 2-, 3- and
     # 4-bit keys per page with values per token, decode_paged_triton for other 2-8-bit codes), else the
     # general one
     from kvcompress.kernels import decode_paged_triton as fast
@@ -660,7 +660,8 @@ def decode_attention_triton(
     dot = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
     paged = key_args is not None and fast.paged_supported(key_args, dk, page_size, True) and fast.paged_supported(
         value_args, dv, page_size, False)
-    by_phase = paged and phase_kernel and phase.phase_supported(key_args, value_args, dk, dv)
+    by_phase = key_args is not None and phase_kernel and phase.phase_supported(key_args, value_args, dk, dv,
+                                                                               page_size)
     by_fp8 = paged and not by_phase and fast.is_fp8(key_args) and fast.is_fp8(value_args)
     whole_pages = page_size & (page_size - 1) == 0  # tiles of whole pages (tl.arange needs powers of two)
     if paged and not (by_phase or by_fp8) and not whole_pages:
@@ -681,7 +682,7 @@ def decode_attention_triton(
         k_affine = key_args.affine_levels  # evenly spaced nuq key levels: decoded as integers, no lookup
         k_magic, k_shift = phase.phase_magic(KIND_INT, key_args.bits, dot) if k_affine else (magic, shift)
         k_lo, k_step = k_affine or (0.0, 1.0)
-        asm = unpack != "ops" and dot != "fp32" and q.is_cuda and not interpreting()
+        asm = unpack != "ops" and dot != "fp32" and q.is_cuda and not interpreting() and key_args.bits != 3
         # 4-bit codebooks read by byte permutes (inline PTX) need their byte tables; else a placeholder
         lut_asm = asm and lut in (None, "shuffle")
         k_lut = lut_asm and key_args.kind == KIND_NUQ and key_args.bits == 4 and not k_affine
@@ -693,9 +694,10 @@ def decode_attention_triton(
             K_NOUT=key_args.n_outliers, K_KCP=max(16, _next_pow2(key_args.n_outliers)),
             K_TOK=getattr(parts.key.codec, "outliers_per_token", 0) if key_args.n_outliers else 0,
             OPB=max(block_n // page_size, 1), LUT=phase.LUTS[lut or "shuffle"],
-            PHK=fast.phases(key_args, dk), PHV=fast.phases(value_args, dv), WK=fast.words(key_args, dk),
-            WV=fast.words(value_args, dv), K_WB=fast.word_bits(key_args, dk), V_WB=fast.word_bits(value_args, dv),
-            MAGIC=magic, SHIFT=shift, GQ=gq, NGP=_next_pow2(max(dv // value_args.group, -(-8 // gq))),
+            PHK=phase.phases(key_args, dk), PHV=phase.phases(value_args, dv), WK=phase.words(key_args, dk),
+            WV=phase.words(value_args, dv), K_WB=phase.word_bits(key_args, dk),
+            V_WB=phase.word_bits(value_args, dv), MAGIC=magic, SHIFT=shift, GQ=gq,
+            NGP=_next_pow2(max(dv // value_args.group, -(-8 // gq))),
             K_AFFINE=k_affine is not None, K_MAGIC=k_magic, K_SHIFT=k_shift, k_lo=k_lo, k_step=k_step,
             ASM=asm, K_LUT_ASM=k_lut, V_LUT_ASM=v_lut, LT_OFF=8 if dot == "fp16" else 0, KLT=k_lt,
             klt_sh=klt_sh, VLT=v_lt, vlt_sh=vlt_sh)

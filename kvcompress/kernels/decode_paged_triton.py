@@ -148,18 +148,19 @@ def _levels(cb, L: tl.constexpr, DT: tl.constexpr):
 
 @triton.jit
 def _select(c, lev, BITS: tl.constexpr):
-    """lev[c] for codes c of BITS = 2 or 4 bits: a tree of selects, one code bit at a time (few live
+    """lev[c] for codes c of BITS = 2, 3 or 4 bits: a tree of selects, one code bit at a time (few live
     temporaries)."""
     b0 = (c & 1) != 0
     b1 = (c & 2) != 0
     x = tl.where(b1, tl.where(b0, lev[3], lev[2]), tl.where(b0, lev[1], lev[0]))
-    if BITS == 4:
+    if BITS >= 3:
         b2 = (c & 4) != 0
         y = tl.where(b1, tl.where(b0, lev[7], lev[6]), tl.where(b0, lev[5], lev[4]))
         x = tl.where(b2, y, x)
-        y = tl.where(b1, tl.where(b0, lev[11], lev[10]), tl.where(b0, lev[9], lev[8]))
-        z = tl.where(b1, tl.where(b0, lev[15], lev[14]), tl.where(b0, lev[13], lev[12]))
-        x = tl.where((c & 8) != 0, tl.where(b2, z, y), x)
+        if BITS == 4:
+            y = tl.where(b1, tl.where(b0, lev[11], lev[10]), tl.where(b0, lev[9], lev[8]))
+            z = tl.where(b1, tl.where(b0, lev[15], lev[14]), tl.where(b0, lev[13], lev[12]))
+            x = tl.where((c & 8) != 0, tl.where(b2, z, y), x)
     return x
 
 

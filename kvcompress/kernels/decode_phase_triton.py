@@ -1,7 +1,8 @@
-"""The body path of the fused decode attention for 2- and 4-bit caches whose keys have a (scale, zero) per
-page and channel and whose values are scaled per token: the KIVI int presets (int2 / int4: values per
-token and group of channels, with zeros) and the nuq presets' layout (nuq4: codebook levels, keys with 1%
-outliers per page, values per whole token). Same result as `_decode_split_kernel`
+"""The body path of the fused decode attention for 2-, 3- and 4-bit caches whose keys have a (scale, zero)
+per page and channel and whose values are scaled per token: the KIVI int presets (int2 / int3 / int4: values
+per token and group of channels, with zeros) and the nuq presets' layout (nuq4 / nuq3 / nuq2: codebook
+levels, keys with 1-2% outliers per page, values per whole token). 3-bit codes are read at head dims of 128
+and more, as 24-bit words of 8 codes (`_words24`). Same result as `_decode_split_kernel`
 (decode_attention_triton.py), whose torch twin is `decode_attention_torch`; the launcher picks this kernel
 when `phase_supported` says so.
 
@@ -46,7 +47,8 @@ from kvcompress.kernels.decode_attention_triton import (
     _exact_split,
     _outlier_deltas,
 )
-from kvcompress.kernels.decode_paged_triton import _levels, _mma, _select, word_bits
+from kvcompress.kernels.decode_paged_triton import _levels, _mma, _select
+from kvcompress.kernels.decode_paged_triton import word_bits as fast_word_bits
 from kvcompress.kernels.streams import KIND_INT, KIND_NUQ, SCALE_PAGE, SCALE_TOKEN, StreamArgs
 from kvcompress.kernels.unpack_asm_triton import byte_codes, byte_levels, table_tiles
 
@@ -54,13 +56,14 @@ LUT_SELECT, LUT_GATHER, LUT_SHUFFLE = 0, 1, 2
 LUTS = {"select": LUT_SELECT, "gather": LUT_GATHER, "shuffle": LUT_SHUFFLE}
 
 
-def phase_supported(key: StreamArgs, value: StreamArgs, dk: int, dv: int) -> bool:
-    """Whether this kernel reads the pair: 2/4-bit keys (int or nuq, both streams the same kind and width)
+def phase_supported(key: StreamArgs, value: StreamArgs, dk: int, dv: int, page_size: int) -> bool:
+    """Whether this kernel reads the pair: 2/3/4-bit keys (int or nuq, both streams the same kind and width)
     with a (scale, zero) per page and channel, values scaled per token (int: per group of channels with
-    zeros; nuq: per whole token), outliers only in the keys, word loads of >= 16 words per token."""
+    zeros; nuq: per whole token), outliers only in the keys, word loads of >= 16 words per token (3-bit
+    codes: groups of 8 codes, so head dims of 128 and more)."""
     if key.kind != value.kind or key.kind not in (KIND_INT, KIND_NUQ) or key.bits != value.bits:
         return False
-    if key.bits not in (2, 4) or key.scale_at != SCALE_PAGE or not key.has_zero:
+    if key.bits not in (2, 3, 4) or key.scale_at != SCALE_PAGE or not key.has_zero or page_size < 16:
         return False
     if value.scale_at != SCALE_TOKEN or dv % value.group or value.n_outliers:
         return False
@@ -74,9 +77,30 @@ def phase_supported(key: StreamArgs, value: StreamArgs, dk: int, dv: int) -> boo
         return False  # the kernel reads scales as unit-stride channels (groups); the codecs store them so
     for a, d in ((key, dk), (value, dv)):
         wb = word_bits(a, d)
-        if wb < 0 or a.codes.stride(2) % (wb // 8) or a.codes.data_ptr() % 4:
+        if wb < 0 or a.codes.stride(2) % (4 if wb == 24 else wb // 8) or a.codes.data_ptr() % 4:
             return False
+        if wb == 24 and (d * 3 // 8) % 4:
+            return False  # a 24-bit word is read from the two 32-bit words it straddles, inside the row
     return True
+
+
+def word_bits(a: StreamArgs, head_dim: int) -> int:
+    """Bits per word of the phases: decode_paged_triton's choice (32 / 16 / 8, >= 16 words per token) for 2
+    and 4 bits; 24 for 3 bits (a group of 8 codes, 3 bytes, as pack.py lays them out), where 16 groups
+    (head dim 128) or more fill a dot; -1: none."""
+    if a.bits == 3:
+        return 24 if head_dim % 8 == 0 and head_dim // 8 >= 16 else -1
+    return fast_word_bits(a, head_dim)
+
+
+def phases(a: StreamArgs, head_dim: int) -> int:
+    """Codes per word."""
+    return word_bits(a, head_dim) // a.bits
+
+
+def words(a: StreamArgs, head_dim: int) -> int:
+    """Words per token."""
+    return head_dim // phases(a, head_dim)
 
 
 def phase_magic(kind: int, bits: int, dot_dtype: str) -> tuple[int, int]:
@@ -132,8 +156,9 @@ def _phase(w, I: tl.constexpr, BITS: tl.constexpr, MAGIC: tl.constexpr, SHIFT: t
 
 @triton.jit
 def _word_ptr(ptr, sn, WB: tl.constexpr):
-    """(pointer to WB-bit words, words per token) of a code tensor with a row stride of sn bytes."""
-    if WB == 32:
+    """(pointer to WB-bit words, words per token) of a code tensor with a row stride of sn bytes (24-bit
+    words: 32-bit pointer and step, `_words24` assembles them)."""
+    if WB == 32 or WB == 24:
         p = ptr.to(tl.pointer_type(tl.int32))
         step = sn // 4
     elif WB == 16:
@@ -146,15 +171,40 @@ def _word_ptr(ptr, sn, WB: tl.constexpr):
 
 
 @triton.jit
-def _words(p, step, tok, ok, W: tl.constexpr, TRANS: tl.constexpr):
+def _words(p, step, tok, ok, W: tl.constexpr, TRANS: tl.constexpr, WB: tl.constexpr):
     """Words [BN, W] of the tokens tok [BN], or [W, BN] when TRANS, as int32 (16-bit words sign-extend; the
     phases mask what they read)."""
     cols = tl.arange(0, W)
+    if WB == 24:
+        return _words24(p, step, tok, ok, cols, TRANS)
     if TRANS:
         w = tl.load(p + tok[None, :] * step + cols[:, None], mask=ok[None, :], other=0)
     else:
         w = tl.load(p + tok[:, None] * step + cols[None, :], mask=ok[:, None], other=0)
     return w.to(tl.int32)
+
+
+@triton.jit
+def _words24(p, step, tok, ok, cols, TRANS: tl.constexpr):
+    """24-bit words (groups of 8 three-bit codes: bytes 3w .. 3w + 2 of the row) from the one or two 32-bit
+    words each straddles, as int32. Two word loads per group instead of three byte loads: 3-byte groups
+    have no load of their own width, and a row of 4-byte words stays aligned (phase_supported)."""
+    first = (cols * 3) // 4
+    last = (cols * 3 + 2) // 4  # == first where the group fits in one word: the same word twice
+    off = (cols * 3) % 4 * 8  # the group's first bit in word `first`: 0, 24, 16, 8, ...
+    if TRANS:
+        at, m, lo_sh = tok[None, :] * step, ok[None, :], off[:, None]
+        lo = tl.load(p + at + first[:, None], mask=m, other=0)
+        hi = tl.load(p + at + last[:, None], mask=m, other=0)
+    else:
+        at, m, lo_sh = tok[:, None] * step, ok[:, None], off[None, :]
+        lo = tl.load(p + at + first[None, :], mask=m, other=0)
+        hi = tl.load(p + at + last[None, :], mask=m, other=0)
+    lo = lo.to(tl.uint32, bitcast=True)
+    hi = hi.to(tl.uint32, bitcast=True)
+    # hi << (32 - off) in two steps, so that no shift is by 32 (off 0: the high word's bits all leave)
+    w = (lo >> lo_sh) | ((hi << 8) << (24 - lo_sh))
+    return (w & 0xFFFFFF).to(tl.int32)
 
 
 @triton.jit
@@ -268,6 +318,7 @@ def _phase_split_kernel(
     K_ASM: tl.constexpr = ASM and K_INT
     V_ASM: tl.constexpr = ASM and IS_INT
     tl.static_assert(BN % P == 0 or P % BN == 0)  # whole pages, or a part of one page (OPB 1)
+    tl.static_assert(not ASM or BITS != 3)  # the inline PTX unpacks whole bytes of codes
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
     NS = n_body_splits + 1
@@ -370,7 +421,7 @@ def _phase_split_kernel(
                 hit = (t[:, None] == r[None, :]) & o_ok[None, :]  # [BN, OPB * KCP]
                 corr = _dot(_cast(hit.to(tl.float32), DOT_FP32, DT), _cast(qd_o, DOT_FP32, DT), DOT_FP32)
             # -- scores^T [BN, GQ], a page at a time (each folds its own key scales into the query)
-            kw = _words(kc, kc_step, tok, ok, WK, False)  # [BN, WK]
+            kw = _words(kc, kc_step, tok, ok, WK, False, K_WB)  # [BN, WK]
             sT = tl.zeros([BN, GQ], tl.float32)
             for j in tl.static_range(OPB):
                 if HAS_PL:  # an empty slot (-1) reads page 0's scales: its tokens are masked out (ok)
@@ -434,7 +485,7 @@ def _phase_split_kernel(
                 z_acc += tl.sum(zT, 0)
             if IS_INT:
                 z_acc += tl.sum(C * aT - (SHIFT + C) * ad.to(tl.float32), 0)
-            vw = _words(vc, vc_step, tok, ok, WV, True)  # [WV, BN]
+            vw = _words(vc, vc_step, tok, ok, WV, True, V_WB)  # [WV, BN]
             new = ()
             for I in tl.static_range(PHV):
                 if V_ASM:
