@@ -73,6 +73,11 @@ SPECS = {
     # the nuq3 preset: keys per page range with 2 % outliers, values Hadamard-rotated (phase kernel at d >= 128)
     "nuq3-vrot": (QuantSpec(method="nuq", bits=3, axis="page", outlier_fraction=0.02, scale_format="e4m3"),
                   QuantSpec(method="nuq", bits=3, axis="token", rotation=True, scale_format="e5m2")),
+    # calibrated mixed configs: nuq keys and values at different bits (phase kernel)
+    "nuq4k-nuq3v": (QuantSpec(method="nuq", bits=4, axis="page", outlier_fraction=0.01, scale_format="e4m3"),
+                    QuantSpec(method="nuq", bits=3, axis="token", rotation=True, scale_format="e5m2")),
+    "nuq2k-nuq4v": (QuantSpec(method="nuq", bits=2, axis="page", outlier_fraction=0.02, scale_format="e4m3"),
+                    QuantSpec(method="nuq", bits=4, axis="token", codebook="student_t5", scale_format="e5m2")),
     "fp8": (QuantSpec(method="fp8"), QuantSpec(method="fp8")),
     "fp8-e5m2": (QuantSpec(method="fp8", fp8_format="e5m2"), QuantSpec(method="fp8", fp8_format="e5m2")),
     # calibrated fp8: static scales per head on streams shifted per channel (fp8 kernel), and fp8 shifted
@@ -483,6 +488,32 @@ def test_three_bit_codes_by_phase(name, lut, monkeypatch):
     assert (phase.word_bits(key, 128), phase.words(key, 128), phase.word_bits(key, 64)) == (24, 16, -1)
     n = len(launches)
     check_triton(make_parts(name, b=2, hkv=2, d=64, pages=3, seed=63), torch.randn(2, 6, 64), block_n=None)
+    assert len(launches) == n
+
+
+@needs_triton
+@pytest.mark.parametrize("name,d,lut", [("nuq4k-nuq3v", 128, "select"), ("nuq4k-nuq3v", 128, "shuffle"),
+                                        ("nuq2k-nuq4v", 64, "select"), ("nuq2k-nuq4v", 128, "gather")])
+def test_phase_kernel_keys_and_values_at_different_bits(name, d, lut, monkeypatch):
+    """nuq keys and values at different bits (a calibrated mixed config's layers): the phase kernel reads
+    each stream at its own width (a spy says it ran) and equals the twin, with GQA 4, ragged rows and a
+    page list; int streams of different widths stay on the other kernels."""
+    from kvcompress.kernels.streams import stream_args
+
+    launches = spy_phase_launches(monkeypatch)
+    parts = make_parts(name, b=2, hkv=2, d=d, pages=4, page=32, lengths=[128, 69], seed=70)
+    q = torch.randn(2, 8, d, generator=torch.Generator().manual_seed(71))
+    for pl in (None, random_page_list(2, 2, 4, 3, seed=72)):
+        n = len(launches)
+        check_triton(parts, q, pl, block_n=None, lut=lut)
+        assert len(launches) == n + 1
+    k, v = (stream_args(s.codec, s.data, s.row) for s in (parts.key, parts.value))
+    assert k.bits != v.bits
+    monkeypatch.setitem(SPECS, "int4k-int2v", (QuantSpec(method="int", bits=4, axis="channel"),
+                                               QuantSpec(method="int", bits=2, group_size=32)))
+    n = len(launches)
+    check_triton(make_parts("int4k-int2v", b=2, hkv=2, d=d, pages=4, page=32, lengths=[128, 69], seed=73), q,
+                 block_n=None)
     assert len(launches) == n
 
 

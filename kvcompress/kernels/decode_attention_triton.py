@@ -700,7 +700,7 @@ def decode_attention_triton(
             NGP=_next_pow2(max(dv // value_args.group, -(-8 // gq))),
             K_AFFINE=k_affine is not None, K_MAGIC=k_magic, K_SHIFT=k_shift, k_lo=k_lo, k_step=k_step,
             ASM=asm, K_LUT_ASM=k_lut, V_LUT_ASM=v_lut, LT_OFF=8 if dot == "fp16" else 0, KLT=k_lt,
-            klt_sh=klt_sh, VLT=v_lt, vlt_sh=vlt_sh)
+            klt_sh=klt_sh, VLT=v_lt, vlt_sh=vlt_sh, V_BITS=value_args.bits)
         num_warps = num_warps or 1  # measured on an H200 (BENCHMARKS.md): one warp per program
         # two stages: 8 programs per multiprocessor (255 registers each) where three stages' shared memory
         # left room for 6; int4 0.30 -> 0.21 ms at 32K x 8 (BENCHMARKS.md, 2026-12-02)

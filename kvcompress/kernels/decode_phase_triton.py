@@ -57,13 +57,16 @@ LUTS = {"select": LUT_SELECT, "gather": LUT_GATHER, "shuffle": LUT_SHUFFLE}
 
 
 def phase_supported(key: StreamArgs, value: StreamArgs, dk: int, dv: int, page_size: int) -> bool:
-    """Whether this kernel reads the pair: 2/3/4-bit keys (int or nuq, both streams the same kind and width)
+    """Whether this kernel reads the pair: 2/3/4-bit keys (int or nuq, both streams the same kind; int both
+    the same width, nuq values at any of 2/3/4 bits)
     with a (scale, zero) per page and channel, values scaled per token (int: per group of channels with
     zeros; nuq: per whole token), outliers only in the keys, word loads of >= 16 words per token (3-bit
     codes: groups of 8 codes, so head dims of 128 and more)."""
-    if key.kind != value.kind or key.kind not in (KIND_INT, KIND_NUQ) or key.bits != value.bits:
+    if key.kind != value.kind or key.kind not in (KIND_INT, KIND_NUQ):
         return False
-    if key.bits not in (2, 3, 4) or key.scale_at != SCALE_PAGE or not key.has_zero or page_size < 16:
+    if key.bits != value.bits and key.kind == KIND_INT:  # int codes of both streams share one offset
+        return False
+    if value.bits not in (2, 3, 4) or key.bits not in (2, 3, 4) or key.scale_at != SCALE_PAGE or not key.has_zero or page_size < 16:
         return False
     if value.scale_at != SCALE_TOKEN or dv % value.group or value.n_outliers:
         return False
@@ -297,6 +300,7 @@ def _phase_split_kernel(
     V_WB: tl.constexpr, MAGIC: tl.constexpr, SHIFT: tl.constexpr, GQ: tl.constexpr, NGP: tl.constexpr,
     K_AFFINE: tl.constexpr, K_MAGIC: tl.constexpr, K_SHIFT: tl.constexpr, ASM: tl.constexpr,
     K_LUT_ASM: tl.constexpr, V_LUT_ASM: tl.constexpr, LT_OFF: tl.constexpr, K_TOK: tl.constexpr = 0,
+    V_BITS: tl.constexpr = 0,
 ):
     """Grid (B * Hkv, body splits + 1). Partial rows per (b, query head): one per body split, then the exact
     parts (sinks, tail) at n_body_splits. KIND: int (3) or nuq (4); GQ: G rounded up to a power of two;
@@ -307,7 +311,8 @@ def _phase_split_kernel(
     levels in place of the shuffle, from KLT / VLT, the codebooks' byte tables (streams.level_tables),
     LT_OFF: their columns for DT. K_TOK: the key outliers were chosen K_TOK per token (outlier_scope "token",
     slot t * K_TOK + j of the token's page): corrected by a gather per token (`_token_outlier_scores`)
-    instead of the one-hot dot over the page's list."""
+    instead of the one-hot dot over the page's list. V_BITS: the nuq values' bits where they differ from the
+    keys' (BITS; calibrated mixed configs), 0: the same."""
     RV: tl.constexpr = NGP * GQ
     NG: tl.constexpr = DV // V_GROUP
     IS_INT: tl.constexpr = KIND == 3
@@ -318,7 +323,9 @@ def _phase_split_kernel(
     K_ASM: tl.constexpr = ASM and K_INT
     V_ASM: tl.constexpr = ASM and IS_INT
     tl.static_assert(BN % P == 0 or P % BN == 0)  # whole pages, or a part of one page (OPB 1)
+    VB: tl.constexpr = BITS if V_BITS == 0 else V_BITS  # nuq values may be coded at other bits than the keys
     tl.static_assert(not ASM or BITS != 3)  # the inline PTX unpacks whole bytes of codes
+    tl.static_assert(VB == BITS or not IS_INT)
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
     NS = n_body_splits + 1
@@ -368,9 +375,9 @@ def _phase_split_kernel(
             qi = tl.load(q_cols + (wk * PHK + I)[:, None], mask=gh_ok[None, :], other=0.0)
             qph = qph + (qi.to(tl.float32),)
         if KIND == 4 and LUT == 0:  # nuq levels in registers
-            vlev = _levels(vcb, 1 << BITS, DT)
+            vlev = _levels(vcb, 1 << VB, DT)
         elif KIND == 4 and LUT == 2:
-            vlev = tl.load(vcb + tl.arange(0, 1 << BITS)).to(DT)
+            vlev = tl.load(vcb + tl.arange(0, 1 << VB)).to(DT)
         else:
             vlev = 0
         if K_KIND == 4 and LUT == 0:
@@ -497,7 +504,7 @@ def _phase_split_kernel(
                         vbyte = byte_levels(vw, I // 2, vtt, DT)
                     vcodes = vbyte[I % 2]
                 else:
-                    vcodes = _phase(vw, I, BITS, MAGIC, SHIFT, DOT_FP32, DT, KIND, LUT, vlev, vcb)
+                    vcodes = _phase(vw, I, VB, MAGIC, SHIFT, DOT_FP32, DT, KIND, LUT, vlev, vcb)
                 new = new + (_mma(vcodes, ad, accs[I] * alpha_v[None, :], DOT_FP32),)
             accs = new
             m_i = m_new
