@@ -88,7 +88,7 @@ def test_fused_kernel_left_padding(name):
 
 
 @pytest.mark.parametrize("gqa", [1, 3])
-@pytest.mark.parametrize("name", ["nuq4-page", "int4", "fp8"])
+@pytest.mark.parametrize("name", ["nuq4-page", "int4", "fp8", "nuq3-vrot", "int3"])
 def test_fused_kernel_d64(name, gqa):
     parts = to_cuda(make_parts(name, b=3, hkv=3, d=64, pages=64, page=32, sinks=4, tail=9,
                                lengths=[2048, 1500, 77], seed=24, dtype=LOW))

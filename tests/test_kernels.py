@@ -439,8 +439,8 @@ def spy_phase_launches(monkeypatch) -> list:
     ("nuq2-page", 64, "select"), ("nuq2-vrot", 64, "shuffle")])
 def test_phase_kernel_is_used_and_equals_the_others(name, d, lut, monkeypatch):
     """2/4-bit caches with keys per page (KIVI int, the nuq presets' layout with key outliers per page or
-    per token, values Hadamard-rotated) go through decode_phase_triton (a spy on its launch says so; int8 /
-    int3 / nuq3 / per-channel nuq keys do not); on GQA 1 / 3 / 8, ragged rows, pages of 16 in tiles of 32 and a page
+    per token, values Hadamard-rotated) go through decode_phase_triton (a spy on its launch says so; int8
+    and per-channel nuq keys do not); on GQA 1 / 3 / 8, ragged rows, pages of 16 in tiles of 32 and a page
     list, it equals the twin and the paged kernel it replaces (phase_kernel=False)."""
     from kvcompress.kernels.decode_attention_triton import decode_attention_triton
 
@@ -456,7 +456,7 @@ def test_phase_kernel_is_used_and_equals_the_others(name, d, lut, monkeypatch):
             assert len(launches) == n + 1
             ours, _ = decode_attention_triton(q, parts, 0.125, pl, lut=lut)
             assert rel_err(ours, paged) <= 1e-5
-    for other in ("int8", "int3", "nuq3-page", "nuq4"):
+    for other in ("int8", "nuq4"):
         n = len(launches)
         check_triton(make_parts(other, b=2, hkv=2, d=64, pages=3, seed=43), torch.randn(2, 6, 64), block_n=None)
         assert len(launches) == n
@@ -466,18 +466,19 @@ def test_phase_kernel_is_used_and_equals_the_others(name, d, lut, monkeypatch):
 @pytest.mark.parametrize("name,lut", [("int3", "select"), ("nuq3-vrot", "select"), ("nuq3-vrot", "shuffle"),
                                       ("nuq3-page", "gather")])
 def test_three_bit_codes_by_phase(name, lut, monkeypatch):
-    """3-bit codes (8 codes in 3 bytes) at head dim 128: the phase kernel reads each group of 8 as a 24-bit
-    word from the one or two 32-bit words it straddles (a spy says it ran). With GQA 1 / 4, ragged rows,
-    pages of 16 and 32 and a page list it equals the twin and the general kernel (phase_kernel=False). At
-    head dim 64 (8 groups, too few for a dot) the general kernel reads them."""
+    """3-bit codes (8 codes in 3 bytes): the phase kernel reads them as 24-bit words of 8 codes at head dim
+    128 and as 12-bit words of 4 at head dim 64, each from the one or two 32-bit words it straddles (a spy
+    says it ran). With GQA 1 / 4, ragged rows, pages of 16 and 32 and a page list it equals the twin and the
+    general kernel (phase_kernel=False). At head dim 32 (8 words, too few for a dot) the general kernel
+    reads them."""
     from kvcompress.kernels import decode_phase_triton as phase
     from kvcompress.kernels.streams import stream_args
 
     launches = spy_phase_launches(monkeypatch)
-    for g, page in ((1, 16), (4, 32)):
-        parts = make_parts(name, b=2, hkv=2, d=128, pages=4, page=page, lengths=[4 * page, 2 * page + 5],
+    for d, g, page in ((128, 1, 16), (128, 4, 32), (64, 3, 32)):
+        parts = make_parts(name, b=2, hkv=2, d=d, pages=4, page=page, lengths=[4 * page, 2 * page + 5],
                            seed=60 + g)
-        q = torch.randn(2, 2 * g, 128, generator=torch.Generator().manual_seed(61))
+        q = torch.randn(2, 2 * g, d, generator=torch.Generator().manual_seed(61))
         for pl in (None, random_page_list(2, 2, 4, 3, seed=62)):
             n = len(launches)
             check_triton(parts, q, pl, block_n=None, lut=lut)
@@ -485,9 +486,10 @@ def test_three_bit_codes_by_phase(name, lut, monkeypatch):
             check_triton(parts, q, pl, block_n=None, lut=lut, phase_kernel=False)
             assert len(launches) == n + 1
     key = stream_args(parts.key.codec, parts.key.data, parts.key.row)
-    assert (phase.word_bits(key, 128), phase.words(key, 128), phase.word_bits(key, 64)) == (24, 16, -1)
+    assert [(phase.word_bits(key, d), phase.words(key, d)) for d in (128, 64)] == [(24, 16), (12, 16)]
+    assert phase.word_bits(key, 32) == -1
     n = len(launches)
-    check_triton(make_parts(name, b=2, hkv=2, d=64, pages=3, seed=63), torch.randn(2, 6, 64), block_n=None)
+    check_triton(make_parts(name, b=2, hkv=2, d=32, pages=3, seed=63), torch.randn(2, 6, 32), block_n=None)
     assert len(launches) == n
 
 

@@ -2,7 +2,8 @@
 per page and channel and whose values are scaled per token: the KIVI int presets (int2 / int3 / int4: values
 per token and group of channels, with zeros) and the nuq presets' layout (nuq4 / nuq3 / nuq2: codebook
 levels, keys with 1-2% outliers per page, values per whole token). 3-bit codes are read at head dims of 128
-and more, as 24-bit words of 8 codes (`_words24`). Same result as `_decode_split_kernel`
+and more as 24-bit words of 8 codes, at head dim 64 as 12-bit words of 4 (`_words3`). Same result as
+`_decode_split_kernel`
 (decode_attention_triton.py), whose torch twin is `decode_attention_torch`; the launcher picks this kernel
 when `phase_supported` says so.
 
@@ -61,7 +62,7 @@ def phase_supported(key: StreamArgs, value: StreamArgs, dk: int, dv: int, page_s
     the same width, nuq values at any of 2/3/4 bits)
     with a (scale, zero) per page and channel, values scaled per token (int: per group of channels with
     zeros; nuq: per whole token), outliers only in the keys, word loads of >= 16 words per token (3-bit
-    codes: groups of 8 codes, so head dims of 128 and more)."""
+    codes: words of 8 or 4 codes, so head dims of 64 and more)."""
     if key.kind != value.kind or key.kind not in (KIND_INT, KIND_NUQ):
         return False
     if key.bits != value.bits and key.kind == KIND_INT:  # int codes of both streams share one offset
@@ -80,19 +81,21 @@ def phase_supported(key: StreamArgs, value: StreamArgs, dk: int, dv: int, page_s
         return False  # the kernel reads scales as unit-stride channels (groups); the codecs store them so
     for a, d in ((key, dk), (value, dv)):
         wb = word_bits(a, d)
-        if wb < 0 or a.codes.stride(2) % (4 if wb == 24 else wb // 8) or a.codes.data_ptr() % 4:
+        if wb < 0 or a.codes.stride(2) % (4 if wb % 8 else wb // 8) or a.codes.data_ptr() % 4:
             return False
-        if wb == 24 and (d * 3 // 8) % 4:
-            return False  # a 24-bit word is read from the two 32-bit words it straddles, inside the row
+        if wb % 8 and (d * 3 // 8) % 4:
+            return False  # a 3-bit code word is read from the two 32-bit words it straddles, inside the row
     return True
 
 
 def word_bits(a: StreamArgs, head_dim: int) -> int:
     """Bits per word of the phases: decode_paged_triton's choice (32 / 16 / 8, >= 16 words per token) for 2
-    and 4 bits; 24 for 3 bits (a group of 8 codes, 3 bytes, as pack.py lays them out), where 16 groups
-    (head dim 128) or more fill a dot; -1: none."""
+    and 4 bits; for 3 bits 24 (8 codes, 3 bytes, as pack.py lays them out) where that gives >= 16 words
+    (head dim 128 and more), else 12 (4 codes; head dim 64); -1: none."""
     if a.bits == 3:
-        return 24 if head_dim % 8 == 0 and head_dim // 8 >= 16 else -1
+        if head_dim % 8:
+            return -1
+        return 24 if head_dim // 8 >= 16 else 12 if head_dim // 4 >= 16 else -1
     return fast_word_bits(a, head_dim)
 
 
@@ -160,8 +163,8 @@ def _phase(w, I: tl.constexpr, BITS: tl.constexpr, MAGIC: tl.constexpr, SHIFT: t
 @triton.jit
 def _word_ptr(ptr, sn, WB: tl.constexpr):
     """(pointer to WB-bit words, words per token) of a code tensor with a row stride of sn bytes (24-bit
-    words: 32-bit pointer and step, `_words24` assembles them)."""
-    if WB == 32 or WB == 24:
+    and 12-bit words: 32-bit pointer and step, `_words3` assembles them)."""
+    if WB == 32 or WB == 24 or WB == 12:
         p = ptr.to(tl.pointer_type(tl.int32))
         step = sn // 4
     elif WB == 16:
@@ -178,8 +181,8 @@ def _words(p, step, tok, ok, W: tl.constexpr, TRANS: tl.constexpr, WB: tl.conste
     """Words [BN, W] of the tokens tok [BN], or [W, BN] when TRANS, as int32 (16-bit words sign-extend; the
     phases mask what they read)."""
     cols = tl.arange(0, W)
-    if WB == 24:
-        return _words24(p, step, tok, ok, cols, TRANS)
+    if WB == 24 or WB == 12:
+        return _words3(p, step, tok, ok, cols, TRANS, WB)
     if TRANS:
         w = tl.load(p + tok[None, :] * step + cols[:, None], mask=ok[None, :], other=0)
     else:
@@ -188,26 +191,28 @@ def _words(p, step, tok, ok, W: tl.constexpr, TRANS: tl.constexpr, WB: tl.conste
 
 
 @triton.jit
-def _words24(p, step, tok, ok, cols, TRANS: tl.constexpr):
-    """24-bit words (groups of 8 three-bit codes: bytes 3w .. 3w + 2 of the row) from the one or two 32-bit
-    words each straddles, as int32. Two word loads per group instead of three byte loads: 3-byte groups
-    have no load of their own width, and a row of 4-byte words stays aligned (phase_supported)."""
-    first = (cols * 3) // 4
-    last = (cols * 3 + 2) // 4  # == first where the group fits in one word: the same word twice
-    off = (cols * 3) % 4 * 8  # the group's first bit in word `first`: 0, 24, 16, 8, ...
+def _words3(p, step, tok, ok, cols, TRANS: tl.constexpr, WB: tl.constexpr):
+    """WB-bit words of 3-bit codes (WB 24: 8 codes, the 3 bytes 3w .. 3w + 2 of the row; WB 12: 4 codes, a
+    byte and a half) from the one or two 32-bit words each straddles, as int32. Two word loads per word
+    instead of byte loads: such words have no load of their own width, and a row of whole 4-byte words stays
+    aligned (phase_supported)."""
+    bit = cols * WB
+    first = bit // 32
+    last = (bit + WB - 1) // 32  # == first where the word fits in one 32-bit word: the same word twice
+    off = bit % 32
     if TRANS:
-        at, m, lo_sh = tok[None, :] * step, ok[None, :], off[:, None]
+        at, m, sh = tok[None, :] * step, ok[None, :], off[:, None]
         lo = tl.load(p + at + first[:, None], mask=m, other=0)
         hi = tl.load(p + at + last[:, None], mask=m, other=0)
     else:
-        at, m, lo_sh = tok[:, None] * step, ok[:, None], off[None, :]
+        at, m, sh = tok[:, None] * step, ok[:, None], off[None, :]
         lo = tl.load(p + at + first[None, :], mask=m, other=0)
         hi = tl.load(p + at + last[None, :], mask=m, other=0)
     lo = lo.to(tl.uint32, bitcast=True)
     hi = hi.to(tl.uint32, bitcast=True)
     # hi << (32 - off) in two steps, so that no shift is by 32 (off 0: the high word's bits all leave)
-    w = (lo >> lo_sh) | ((hi << 8) << (24 - lo_sh))
-    return (w & 0xFFFFFF).to(tl.int32)
+    w = (lo >> sh) | ((hi << 1) << (31 - sh))
+    return (w & ((1 << WB) - 1)).to(tl.int32)
 
 
 @triton.jit
