@@ -62,6 +62,9 @@ def _fail(e: Exception):
 @click.option("--keep-ratios", default=None,
               help="With a budget: H2O keep ratios a layer may get besides keeping every token (0.75,0.5); "
                    "a config that evicts runs under kvcompress.enable(model).")
+@click.option("--key-widths/--no-key-widths", default=True, show_default=True,
+              help="With a budget: offer keys on calibrated bits per channel (less loss at equal bits; read by "
+                   "the general fused kernel, slower on a GPU than the nuq layers' phase kernel).")
 @click.option("--preset", "-p", default="nuq4", show_default=True, help="Base preset to calibrate (without a budget).")
 @click.option("--per-head/--per-layer", default=True, show_default=True, help="One codebook per kv head or per layer.")
 @click.option("--weighting", type=click.Choice(["attention", "none"]), default="none", show_default=True,
@@ -75,7 +78,7 @@ def _fail(e: Exception):
 @click.option("--progress/--no-progress", default=True, show_default=True)
 def calibrate(model, out, text, samples, seq_len, batch_size, target_bits, memory_budget, budget_context,
               budget_batch, preset, per_head, weighting, device, progress, load_in_4bit=False, load_in_8bit=False,
-              fp8_shift=FP8_SHIFT_DEFAULT, dtype="auto", keep_ratios=None):
+              fp8_shift=FP8_SHIFT_DEFAULT, dtype="auto", keep_ratios=None, key_widths=True):
     """Fit codebooks, key statistics, outlier thresholds and FP8 scales (and per-layer bits) for MODEL."""
     from kvcompress.calib.calibrate import CalibrationSettings
     from kvcompress.calib.calibrate import calibrate as run
@@ -92,7 +95,7 @@ def calibrate(model, out, text, samples, seq_len, batch_size, target_bits, memor
             preset=preset, samples=samples, seq_len=seq_len, batch_size=batch_size, target_bits=target_bits,
             memory_budget=parse_budget(memory_budget) if memory_budget else None,
             context=parse_count(budget_context), batch=budget_batch, per_head=per_head, weighting=weighting,
-            fp8_shift=fp8_shift, keep_ratios=_ratios(keep_ratios),
+            fp8_shift=fp8_shift, keep_ratios=_ratios(keep_ratios), key_widths=key_widths,
         )
         m, tok = load_model_or_exit(model, device, load_in_4bit, load_in_8bit, dtype)
         cfg = run(m, tok, text_str, settings, progress=progress, log=click.echo)

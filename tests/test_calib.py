@@ -494,6 +494,42 @@ def test_calibrate_cli_refuses_bad_settings_before_loading(args, message, tmp_pa
     assert not out.exists()
 
 
+def test_mixed_allocation_without_key_widths(calib_text, monkeypatch, tmp_path):
+    """--no-key-widths leaves the channel-width keys out of a budget's menu (they are read by the general
+    fused kernel only): no layer gets one and none is measured, the budget still holds; the CLI flag reaches
+    the settings."""
+    from click.testing import CliRunner
+
+    from conftest import make_tiny_model
+    from kvcompress.calib import calibrate as calib_module
+    from kvcompress.calib.candidates import key_choices
+    from kvcompress.cli import main
+
+    assert not any(c.startswith("cw") for c in key_choices(0.01, widths=False))
+    assert set(key_choices(0.01, widths=False)) < set(key_choices(0.01))
+    model = make_tiny_model("llama", num_hidden_layers=4, head_dim=64)
+    settings = CalibrationSettings(target_bits=MIXED_TARGET, context=4096, key_widths=False, **TEXT_SAMPLES)
+    cfg = calibrate(model, _ByteTokenizer(), calib_text, settings, progress=False)
+    alloc = cfg.notes["allocation"]
+    assert alloc["achieved_bits"] <= MIXED_TARGET
+    assert not any(k.startswith("cw") for k, _ in alloc["choices"].values())
+    assert not any(k.startswith("cw") for s in alloc["sensitivity"].values() for k in s["key"])
+    assert all("key.channel_widths" not in layer.tensors for layer in cfg.layers)
+
+    seen = []
+
+    def fake_run(m, tok, text, settings, progress=True, log=None):
+        seen.append(settings)
+        raise ConfigError("stop here")
+
+    monkeypatch.setattr(calib_module, "calibrate", fake_run)
+    monkeypatch.setattr("kvcompress.cli_calib.load_model_or_exit", lambda *a: (None, None))
+    for flag, want in (("--no-key-widths", False), ("--key-widths", True)):
+        res = CliRunner().invoke(main, ["calibrate", "m", "--target-bits", "3.5", flag, "--out",
+                                        str(tmp_path / "c.safetensors")])
+        assert "stop here" in res.output and seen[-1].key_widths is want
+
+
 def test_calibration_progress_in_a_log_is_lines(calib_text, capsys):
     """Where stderr is not a terminal, calibrate reports its phases as lines (as eval does), not tqdm's
     carriage-return redraws, which a log shows as one unreadable line."""

@@ -64,6 +64,10 @@ class CalibrationSettings:
     # that evicts needs `kvcompress.enable(model)`). Off by default: on SmolLM2, H2O over nuq4 lost more
     # perplexity per bit saved than lower bit widths at 4-5 bits (BENCHMARKS.md, issue 6)
     keep_ratios: tuple[float, ...] = ()
+    # keys on calibrated widths per channel ("cwB") among a budget's choices. They cut the 3.5-bit config's KL
+    # 41 % on SmolLM2, but only the general fused kernel reads them (several times slower than bf16 on a GPU,
+    # BENCHMARKS.md); without them every nuq layer stays on the phase kernel
+    key_widths: bool = True
 
     def __post_init__(self):
         if self.target_bits is not None and self.memory_budget is not None:

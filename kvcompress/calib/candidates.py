@@ -45,14 +45,16 @@ def rotated_spec(spec: QuantSpec) -> QuantSpec | None:
     return replace(spec, rotation=True, codebook="gaussian", outlier_fraction=0.0)
 
 
-def key_choices(outlier_fraction: float) -> tuple[str, ...]:
+def key_choices(outlier_fraction: float, widths: bool = True) -> tuple[str, ...]:
     """The key choices a mixed allocation offers: CANDIDATES, each nuq width with the other shares of
-    KEY_OUTLIER_SHARES kept exact ("nuq3@0.005"), and widths per channel (KEY_WIDTHS, KEY_WIDTH_SHARES)."""
+    KEY_OUTLIER_SHARES kept exact ("nuq3@0.005"), and, with `widths`, widths per channel (KEY_WIDTHS,
+    KEY_WIDTH_SHARES)."""
     extra = []
     for name in CANDIDATES[1:]:
         own = choice_spec(name, "key", outlier_fraction).outlier_fraction
         extra += [f"{name}@{share:g}" for share in KEY_OUTLIER_SHARES if share != own]
-    extra += [f"cw{w:g}" + (f"@{share:g}" if share else "") for w in KEY_WIDTHS for share in KEY_WIDTH_SHARES]
+    if widths:
+        extra += [f"cw{w:g}" + (f"@{share:g}" if share else "") for w in KEY_WIDTHS for share in KEY_WIDTH_SHARES]
     return CANDIDATES + tuple(extra)
 
 

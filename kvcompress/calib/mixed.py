@@ -39,7 +39,7 @@ def mixed_layers(fits, layout, settings, target: float, dtype, on_layer=None):
     elements = sum(uncompressed_layer_bytes(layout, i, ctx, batch, dtype) for i in range(layout.num_layers)) / itemsize
     budget = target * elements / 8
     ratios = sorted({1.0, *settings.keep_ratios}, reverse=True)
-    keys = key_choices(settings.outlier_fraction)
+    keys = key_choices(settings.outlier_fraction, settings.key_widths)
     fixed, items, full, sens, evict = 0.0, [], [], {}, {}
     for i in range(layout.num_layers):
         if layout.is_sliding(i):
