@@ -520,11 +520,12 @@ def test_phase_kernel_keys_and_values_at_different_bits(name, d, lut, monkeypatc
 
 
 @needs_triton
-@pytest.mark.parametrize("name", ["nuq4-kout", "nuq4", "int4"])
+@pytest.mark.parametrize("name", ["nuq4-kout", "nuq4-ktok", "nuq4", "int4", "nuq3-vrot"])
 def test_pages_of_48_tokens(name, monkeypatch):
-    """Pages whose size is not a power of two (48): the phase kernel reads them in tiles of 16 inside a
-    page (a spy says it ran), the general kernel in blocks of 16 (phase_kernel=False; the paged kernel's
-    tiles are whole pages, so it is passed over); both equal the twin, with ragged rows and a page list."""
+    """Pages whose size is not a power of two (48): the phase kernel reads a page per step in tiles of 16
+    (its folded query, outlier list and softmax update once per page; a spy says it ran; splits hold whole
+    pages), the general kernel in blocks of 16 (phase_kernel=False; the paged kernel's tiles are whole
+    pages, so it is passed over); both equal the twin, with ragged rows and a page list."""
     from kvcompress.kernels import decode_phase_triton as phase
 
     assert phase.phase_block(48, None) == 16 and phase.phase_block(48, 8) == 8 and phase.phase_block(32, None) == 32

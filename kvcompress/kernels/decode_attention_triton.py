@@ -700,7 +700,8 @@ def decode_attention_triton(
             NGP=_next_pow2(max(dv // value_args.group, -(-8 // gq))),
             K_AFFINE=k_affine is not None, K_MAGIC=k_magic, K_SHIFT=k_shift, k_lo=k_lo, k_step=k_step,
             ASM=asm, K_LUT_ASM=k_lut, V_LUT_ASM=v_lut, LT_OFF=8 if dot == "fp16" else 0, KLT=k_lt,
-            klt_sh=klt_sh, VLT=v_lt, vlt_sh=vlt_sh, V_BITS=value_args.bits)
+            klt_sh=klt_sh, VLT=v_lt, vlt_sh=vlt_sh, V_BITS=value_args.bits,
+            SUB=page_size // block_n if block_n < page_size else 1)
         num_warps = num_warps or 1  # measured on an H200 (BENCHMARKS.md): one warp per program
         # two stages: 8 programs per multiprocessor (255 registers each) where three stages' shared memory
         # left room for 6; int4 0.30 -> 0.21 ms at 32K x 8 (BENCHMARKS.md, 2026-12-02)
@@ -760,9 +761,12 @@ def decode_attention_triton(
         one_wave = (by_fp8 or by_phase) and page_list is None
         splits = default_splits(b * hkv, _num_sms(dev), n_logical, one_wave,
                                 MIN_SPLIT_TOKENS if q.is_cuda else block_n)
-    n_blocks = -(-n_logical // block_n)
+    # the phase kernel reads a page that is not a power of two (48) in tiles inside it, a page per step:
+    # splits hold whole pages
+    unit = block_n * extra.get("SUB", 1)
+    n_blocks = -(-n_logical // unit)
     splits = max(1, min(splits, n_blocks))
-    tokens_per_split = -(-n_blocks // splits) * block_n
+    tokens_per_split = -(-n_blocks // splits) * unit
     body_splits = -(-n_logical // tokens_per_split) if n_logical else 0
     n_splits = body_splits * ppi + 1  # partial rows per query head (the fast kernel: one per page slot)
 

@@ -285,6 +285,46 @@ def _by_phase(x, N: tl.constexpr):
         return _cols8(x)
 
 
+@triton.jit
+def _value_tile(pT, tok, ok, vs, vz, vs_sn, vc, vc_step, ng, z_acc, accs, alpha_v, vtt, vlev, vcb,
+                BN: tl.constexpr, RV: tl.constexpr, NG: tl.constexpr, NGP: tl.constexpr, GQ: tl.constexpr,
+                PHV: tl.constexpr, WV: tl.constexpr, V_WB: tl.constexpr, VB: tl.constexpr, BITS: tl.constexpr,
+                PPB: tl.constexpr, MAGIC: tl.constexpr, SHIFT: tl.constexpr, C: tl.constexpr, IS_INT: tl.constexpr,
+                V_HAS_ZERO: tl.constexpr, V_ASM: tl.constexpr, V_LUT_ASM: tl.constexpr, DOT_FP32: tl.constexpr,
+                DT: tl.constexpr, KIND: tl.constexpr, LUT: tl.constexpr):
+    """One tile's values into the accumulators (z_acc, accs[I] [WV, RV]; accs scaled by alpha_v first): the
+    column (group, head) of a^T is p^T [BN, GQ] times the group's per-token scale."""
+    voff = tok[:, None] * vs_sn + ng[None, :]
+    vmask = ok[:, None] & (ng < NG)[None, :]
+    v_scale = tl.load(vs + voff, mask=vmask, other=0.0).to(tl.float32)
+    aT = tl.reshape(pT[:, None, :] * v_scale[:, :, None], (BN, RV))
+    ad = _cast(aT, DOT_FP32, DT)
+    if V_HAS_ZERO:
+        v_zero = tl.load(vz + voff, mask=vmask, other=0.0).to(tl.float32)
+        zT = tl.reshape(pT[:, None, :] * v_zero[:, :, None], (BN, RV))
+        z_acc += tl.sum(zT, 0)
+    if IS_INT:
+        z_acc += tl.sum(C * aT - (SHIFT + C) * ad.to(tl.float32), 0)
+    vw = _words(vc, vc_step, tok, ok, WV, True, V_WB)  # [WV, BN]
+    new = ()
+    for I in tl.static_range(PHV):
+        if V_ASM:
+            if I % PPB == 0:
+                vbyte = byte_codes(vw, I // PPB, BITS, MAGIC, DT)
+            vcodes = vbyte[I % PPB]
+        elif V_LUT_ASM:
+            if I % 2 == 0:
+                vbyte = byte_levels(vw, I // 2, vtt, DT)
+            vcodes = vbyte[I % 2]
+        else:
+            vcodes = _phase(vw, I, VB, MAGIC, SHIFT, DOT_FP32, DT, KIND, LUT, vlev, vcb)
+        acc = accs[I]
+        if alpha_v is not None:
+            acc = acc * alpha_v[None, :]
+        new = new + (_mma(vcodes, ad, acc, DOT_FP32),)
+    return z_acc, new
+
+
 @triton.jit(do_not_specialize=LENGTH_ARGS)
 def _phase_split_kernel(
     Q, q_sb, q_sh,
@@ -305,7 +345,7 @@ def _phase_split_kernel(
     V_WB: tl.constexpr, MAGIC: tl.constexpr, SHIFT: tl.constexpr, GQ: tl.constexpr, NGP: tl.constexpr,
     K_AFFINE: tl.constexpr, K_MAGIC: tl.constexpr, K_SHIFT: tl.constexpr, ASM: tl.constexpr,
     K_LUT_ASM: tl.constexpr, V_LUT_ASM: tl.constexpr, LT_OFF: tl.constexpr, K_TOK: tl.constexpr = 0,
-    V_BITS: tl.constexpr = 0,
+    V_BITS: tl.constexpr = 0, SUB: tl.constexpr = 1,
 ):
     """Grid (B * Hkv, body splits + 1). Partial rows per (b, query head): one per body split, then the exact
     parts (sinks, tail) at n_body_splits. KIND: int (3) or nuq (4); GQ: G rounded up to a power of two;
@@ -317,7 +357,9 @@ def _phase_split_kernel(
     LT_OFF: their columns for DT. K_TOK: the key outliers were chosen K_TOK per token (outlier_scope "token",
     slot t * K_TOK + j of the token's page): corrected by a gather per token (`_token_outlier_scores`)
     instead of the one-hot dot over the page's list. V_BITS: the nuq values' bits where they differ from the
-    keys' (BITS; calibrated mixed configs), 0: the same."""
+    keys' (BITS; calibrated mixed configs), 0: the same. SUB: tiles per page (a page of 48 tokens in 3 tiles
+    of 16: its folded query, outlier list and online-softmax update once per page), 1: tiles of whole pages
+    or of one page."""
     RV: tl.constexpr = NGP * GQ
     NG: tl.constexpr = DV // V_GROUP
     IS_INT: tl.constexpr = KIND == 3
@@ -328,6 +370,7 @@ def _phase_split_kernel(
     K_ASM: tl.constexpr = ASM and K_INT
     V_ASM: tl.constexpr = ASM and IS_INT
     tl.static_assert(BN % P == 0 or P % BN == 0)  # whole pages, or a part of one page (OPB 1)
+    tl.static_assert(SUB == 1 or SUB * BN == P)
     VB: tl.constexpr = BITS if V_BITS == 0 else V_BITS  # nuq values may be coded at other bits than the keys
     tl.static_assert(not ASM or BITS != 3)  # the inline PTX unpacks whole bytes of codes
     tl.static_assert(VB == BITS or not IS_INT)
@@ -405,114 +448,183 @@ def _phase_split_kernel(
             accs = accs + (tl.zeros([WV, RV], tl.float32),)
         start = split * tokens_per_split
         end = tl.minimum(start + tokens_per_split, n_logical)
-        for l0 in range(start, end, BN):
-            l = l0 + t
-            if HAS_PL:
-                page = tl.load(pl + l // P, mask=l < end, other=-1)
-                tok = page * P + l % P
-                ok = (l < end) & (page >= 0) & (tok < len_b)
-            else:
-                tok = l
-                ok = l < end
-            if HAS_STARTS:
-                ok = ok & (tok + n_sink >= row_first)
-            # -- the exact key outliers' corrections first: their chains of dependent loads (slot -> channel ->
-            # code, page range, query) then run under the dense work of the tile instead of after it
-            corr = 0.0
-            if K_TOK > 0:  # exact key outliers, K_TOK per token: (exact - coded) . q gathered per token
-                corr = _token_outlier_scores(
-                    KOI + b64 * ko_sb + h * ko_sh, KOV + b64 * ko_sb + h * ko_sh, ko_sp, kc_bytes, kc_sn, ks, kz,
-                    ks_sn, ks_sc, kcb, pl, q_cols, gh_ok, l0, end, len_b, HAS_PL, P, BN, K_TOK, KIND, BITS, DK)
-            elif K_NOUT > 0:  # exact key outliers: (exact - coded) . q, one sparse one-hot dot per tile
-                r, d_o, delta, o_ok = _outlier_deltas(
-                    KOI + b64 * ko_sb + h * ko_sh, KOV + b64 * ko_sb + h * ko_sh, ko_sp, kc_bytes, kc_sn, ks,
-                    kz, ks_sn, ks_sc, kcb, pl, l0, n_logical, len_b, HAS_PL, P, BN, OPB, K_KCP, K_NOUT, KIND,
-                    BITS, 2, 1, True, DK)
-                q_at = tl.load(q_cols + d_o[:, None], mask=o_ok[:, None] & gh_ok[None, :], other=0.0)
-                qd_o = q_at.to(tl.float32) * delta[:, None]  # [OPB * KCP, GQ]
-                hit = (t[:, None] == r[None, :]) & o_ok[None, :]  # [BN, OPB * KCP]
-                corr = _dot(_cast(hit.to(tl.float32), DOT_FP32, DT), _cast(qd_o, DOT_FP32, DT), DOT_FP32)
-            # -- scores^T [BN, GQ], a page at a time (each folds its own key scales into the query)
-            kw = _words(kc, kc_step, tok, ok, WK, False, K_WB)  # [BN, WK]
-            sT = tl.zeros([BN, GQ], tl.float32)
-            for j in tl.static_range(OPB):
-                if HAS_PL:  # an empty slot (-1) reads page 0's scales: its tokens are masked out (ok)
-                    kpage = tl.maximum(tl.load(pl + l0 // P + j, mask=l0 + j * P < end, other=0), 0)
+        for l0 in range(start, end, BN * SUB):
+            if SUB == 1:  # tiles of whole pages, or of one page
+                l = l0 + t
+                if HAS_PL:
+                    page = tl.load(pl + l // P, mask=l < end, other=-1)
+                    tok = page * P + l % P
+                    ok = (l < end) & (page >= 0) & (tok < len_b)
                 else:
-                    kpage = l0 // P + j
-                part = tl.zeros([BN, GQ], tl.float32)
-                fix = tl.zeros([WK, GQ], tl.float32)
-                # the page's key scales and zeros: one [WK, PHK] load each (channel w * PHK + I at [w, I]), split
-                # by phase in registers. Loaded phase by phase ([WK] each), they were 2 * PHK small loads that the
-                # loop waited on: int4 1.18x -> 1.36x bf16 SDPA at 32K x 8, nuq4 0.68x -> 0.74x (H200)
+                    tok = l
+                    ok = l < end
+                if HAS_STARTS:
+                    ok = ok & (tok + n_sink >= row_first)
+                # -- the exact key outliers' corrections first: their chains of dependent loads (slot -> channel ->
+                # code, page range, query) then run under the dense work of the tile instead of after it
+                corr = 0.0
+                if K_TOK > 0:  # exact key outliers, K_TOK per token: (exact - coded) . q gathered per token
+                    corr = _token_outlier_scores(
+                        KOI + b64 * ko_sb + h * ko_sh, KOV + b64 * ko_sb + h * ko_sh, ko_sp, kc_bytes, kc_sn, ks, kz,
+                        ks_sn, ks_sc, kcb, pl, q_cols, gh_ok, l0, end, len_b, HAS_PL, P, BN, K_TOK, KIND, BITS, DK)
+                elif K_NOUT > 0:  # exact key outliers: (exact - coded) . q, one sparse one-hot dot per tile
+                    r, d_o, delta, o_ok = _outlier_deltas(
+                        KOI + b64 * ko_sb + h * ko_sh, KOV + b64 * ko_sb + h * ko_sh, ko_sp, kc_bytes, kc_sn, ks,
+                        kz, ks_sn, ks_sc, kcb, pl, l0, n_logical, len_b, HAS_PL, P, BN, OPB, K_KCP, K_NOUT, KIND,
+                        BITS, 2, 1, True, DK)
+                    q_at = tl.load(q_cols + d_o[:, None], mask=o_ok[:, None] & gh_ok[None, :], other=0.0)
+                    qd_o = q_at.to(tl.float32) * delta[:, None]  # [OPB * KCP, GQ]
+                    hit = (t[:, None] == r[None, :]) & o_ok[None, :]  # [BN, OPB * KCP]
+                    corr = _dot(_cast(hit.to(tl.float32), DOT_FP32, DT), _cast(qd_o, DOT_FP32, DT), DOT_FP32)
+                # -- scores^T [BN, GQ], a page at a time (each folds its own key scales into the query)
+                kw = _words(kc, kc_step, tok, ok, WK, False, K_WB)  # [BN, WK]
+                sT = tl.zeros([BN, GQ], tl.float32)
+                for j in tl.static_range(OPB):
+                    if HAS_PL:  # an empty slot (-1) reads page 0's scales: its tokens are masked out (ok)
+                        kpage = tl.maximum(tl.load(pl + l0 // P + j, mask=l0 + j * P < end, other=0), 0)
+                    else:
+                        kpage = l0 // P + j
+                    part = tl.zeros([BN, GQ], tl.float32)
+                    fix = tl.zeros([WK, GQ], tl.float32)
+                    # the page's key scales and zeros: one [WK, PHK] load each (channel w * PHK + I at [w, I]), split
+                    # by phase in registers. Loaded phase by phase ([WK] each), they were 2 * PHK small loads that the
+                    # loop waited on: int4 1.18x -> 1.36x bf16 SDPA at 32K x 8, nuq4 0.68x -> 0.74x (H200)
+                    ks_ph = _by_phase(tl.load(ks + kpage * ks_sn + k_rows), PHK)
+                    kz_ph = _by_phase(tl.load(kz + kpage * ks_sn + k_rows), PHK)
+                    for I in tl.static_range(PHK):
+                        k_s = ks_ph[I].to(tl.float32)
+                        k_z = kz_ph[I].to(tl.float32)
+                        if K_AFFINE:  # x = z + s * (lo + step * c) = (z + s * lo) + (s * step) * c
+                            k_z = k_z + k_s * k_lo
+                            k_s = k_s * k_step
+                        qs = qph[I] * k_s[:, None]
+                        qd = _cast(qs, DOT_FP32, DT)
+                        fix += qph[I] * k_z[:, None]
+                        if K_INT:
+                            # codes enter as c + K_SHIFT: (K_SHIFT + C) comes out with the same rounded operand and
+                            # C goes back unrounded, so the operand's rounding multiplies the centred codes
+                            fix += C * qs - (K_SHIFT + C) * qd.to(tl.float32)
+                        if K_ASM:
+                            if I % PPB == 0:
+                                kbyte = byte_codes(kw, I // PPB, BITS, K_MAGIC, DT)
+                            codes = kbyte[I % PPB]
+                        elif K_LUT_ASM:
+                            if I % 2 == 0:
+                                kbyte = byte_levels(kw, I // 2, ktt, DT)
+                            codes = kbyte[I % 2]
+                        else:
+                            codes = _phase(kw, I, BITS, K_MAGIC, K_SHIFT, DOT_FP32, DT, K_KIND, LUT, klev, kcb)
+                        part = _mma(codes, qd, part, DOT_FP32)
+                    sT = tl.where(((t // P) == j)[:, None], part + tl.sum(fix, 0)[None, :], sT)
+                if K_TOK > 0 or K_NOUT > 0:
+                    sT += corr
+                valid = ok[:, None] & gh_ok[None, :]
+                sT = tl.where(valid, sT * qk_scale, float("-inf"))
+                if WRITE_SCORES:
+                    tl.store(sc_cols + n_sink + tok[:, None], sT, mask=valid)
+                # -- online softmax (per head column)
+                m_new = tl.maximum(m_i, tl.max(sT, 0))
+                alpha = tl.exp2(m_i - m_new)
+                pT = tl.exp2(sT - m_new[None, :])
+                l_i = l_i * alpha + tl.sum(pT, 0)
+                alpha_v = tl.reshape(tl.broadcast_to(alpha[None, :], (NGP, GQ)), (RV,))
+                z_acc, accs = _value_tile(
+                    pT, tok, ok, vs, vz, vs_sn, vc, vc_step, ng, z_acc * alpha_v, accs, alpha_v, vtt, vlev, vcb,
+                    BN, RV, NG, NGP, GQ, PHV, WV, V_WB, VB, BITS, PPB, MAGIC, SHIFT, C, IS_INT, V_HAS_ZERO, V_ASM,
+                    V_LUT_ASM, DOT_FP32, DT, KIND, LUT)
+                m_i = m_new
+            else:  # a page of P = SUB * BN tokens (P not a power of two) in SUB tiles of BN
+                # the page's folded query and exact key outliers once per page, one online-softmax update
+                if HAS_PL:  # an empty slot (-1) reads page 0's scales: its tokens are masked out (ok)
+                    kpage = tl.maximum(tl.load(pl + l0 // P), 0)
+                else:
+                    kpage = l0 // P
                 ks_ph = _by_phase(tl.load(ks + kpage * ks_sn + k_rows), PHK)
                 kz_ph = _by_phase(tl.load(kz + kpage * ks_sn + k_rows), PHK)
+                qds = ()
+                fix = tl.zeros([WK, GQ], tl.float32)
                 for I in tl.static_range(PHK):
                     k_s = ks_ph[I].to(tl.float32)
                     k_z = kz_ph[I].to(tl.float32)
-                    if K_AFFINE:  # x = z + s * (lo + step * c) = (z + s * lo) + (s * step) * c
+                    if K_AFFINE:
                         k_z = k_z + k_s * k_lo
                         k_s = k_s * k_step
                     qs = qph[I] * k_s[:, None]
                     qd = _cast(qs, DOT_FP32, DT)
                     fix += qph[I] * k_z[:, None]
                     if K_INT:
-                        # codes enter as c + K_SHIFT: (K_SHIFT + C) comes out with the same rounded operand and
-                        # C goes back unrounded, so the operand's rounding multiplies the centred codes
                         fix += C * qs - (K_SHIFT + C) * qd.to(tl.float32)
-                    if K_ASM:
-                        if I % PPB == 0:
-                            kbyte = byte_codes(kw, I // PPB, BITS, K_MAGIC, DT)
-                        codes = kbyte[I % PPB]
-                    elif K_LUT_ASM:
-                        if I % 2 == 0:
-                            kbyte = byte_levels(kw, I // 2, ktt, DT)
-                        codes = kbyte[I % 2]
+                    qds = qds + (qd,)
+                fix_row = tl.sum(fix, 0)[None, :]
+                if K_TOK == 0 and K_NOUT > 0:  # the page's outlier list, matched against each tile's rows
+                    r, d_o, delta, o_ok = _outlier_deltas(
+                        KOI + b64 * ko_sb + h * ko_sh, KOV + b64 * ko_sb + h * ko_sh, ko_sp, kc_bytes, kc_sn, ks,
+                        kz, ks_sn, ks_sc, kcb, pl, l0, n_logical, len_b, HAS_PL, P, P, 1, K_KCP, K_NOUT, KIND,
+                        BITS, 2, 1, True, DK)
+                    q_at = tl.load(q_cols + d_o[:, None], mask=o_ok[:, None] & gh_ok[None, :], other=0.0)
+                    qd_o = _cast(q_at.to(tl.float32) * delta[:, None], DOT_FP32, DT)  # [KCP, GQ]
+                sTs = ()
+                toks = ()
+                oks = ()
+                m_new = m_i
+                for sub in tl.static_range(SUB):
+                    l = l0 + sub * BN + t
+                    if HAS_PL:  # the same slot for the whole tile, read as the other kernels read it
+                        page = tl.load(pl + l // P, mask=l < end, other=-1)
+                        tok = page * P + l % P
+                        ok = (l < end) & (page >= 0) & (tok < len_b)
                     else:
-                        codes = _phase(kw, I, BITS, K_MAGIC, K_SHIFT, DOT_FP32, DT, K_KIND, LUT, klev, kcb)
-                    part = _mma(codes, qd, part, DOT_FP32)
-                sT = tl.where(((t // P) == j)[:, None], part + tl.sum(fix, 0)[None, :], sT)
-            if K_TOK > 0 or K_NOUT > 0:
-                sT += corr
-            valid = ok[:, None] & gh_ok[None, :]
-            sT = tl.where(valid, sT * qk_scale, float("-inf"))
-            if WRITE_SCORES:
-                tl.store(sc_cols + n_sink + tok[:, None], sT, mask=valid)
-            # -- online softmax (per head column)
-            m_new = tl.maximum(m_i, tl.max(sT, 0))
-            alpha = tl.exp2(m_i - m_new)
-            pT = tl.exp2(sT - m_new[None, :])
-            l_i = l_i * alpha + tl.sum(pT, 0)
-            # -- values: column (group, head) of a^T = p times the group's per-token scale
-            voff = tok[:, None] * vs_sn + ng[None, :]
-            vmask = ok[:, None] & (ng < NG)[None, :]
-            v_scale = tl.load(vs + voff, mask=vmask, other=0.0).to(tl.float32)
-            aT = tl.reshape(pT[:, None, :] * v_scale[:, :, None], (BN, RV))
-            ad = _cast(aT, DOT_FP32, DT)
-            alpha_v = tl.reshape(tl.broadcast_to(alpha[None, :], (NGP, GQ)), (RV,))
-            z_acc = z_acc * alpha_v
-            if V_HAS_ZERO:
-                v_zero = tl.load(vz + voff, mask=vmask, other=0.0).to(tl.float32)
-                zT = tl.reshape(pT[:, None, :] * v_zero[:, :, None], (BN, RV))
-                z_acc += tl.sum(zT, 0)
-            if IS_INT:
-                z_acc += tl.sum(C * aT - (SHIFT + C) * ad.to(tl.float32), 0)
-            vw = _words(vc, vc_step, tok, ok, WV, True, V_WB)  # [WV, BN]
-            new = ()
-            for I in tl.static_range(PHV):
-                if V_ASM:
-                    if I % PPB == 0:
-                        vbyte = byte_codes(vw, I // PPB, BITS, MAGIC, DT)
-                    vcodes = vbyte[I % PPB]
-                elif V_LUT_ASM:
-                    if I % 2 == 0:
-                        vbyte = byte_levels(vw, I // 2, vtt, DT)
-                    vcodes = vbyte[I % 2]
-                else:
-                    vcodes = _phase(vw, I, VB, MAGIC, SHIFT, DOT_FP32, DT, KIND, LUT, vlev, vcb)
-                new = new + (_mma(vcodes, ad, accs[I] * alpha_v[None, :], DOT_FP32),)
-            accs = new
-            m_i = m_new
+                        tok = l
+                        ok = l < end
+                    if HAS_STARTS:
+                        ok = ok & (tok + n_sink >= row_first)
+                    kw = _words(kc, kc_step, tok, ok, WK, False, K_WB)  # [BN, WK]
+                    part = tl.zeros([BN, GQ], tl.float32)
+                    for I in tl.static_range(PHK):
+                        if K_ASM:
+                            if I % PPB == 0:
+                                kbyte = byte_codes(kw, I // PPB, BITS, K_MAGIC, DT)
+                            codes = kbyte[I % PPB]
+                        elif K_LUT_ASM:
+                            if I % 2 == 0:
+                                kbyte = byte_levels(kw, I // 2, ktt, DT)
+                            codes = kbyte[I % 2]
+                        else:
+                            codes = _phase(kw, I, BITS, K_MAGIC, K_SHIFT, DOT_FP32, DT, K_KIND, LUT, klev, kcb)
+                        part = _mma(codes, qds[I], part, DOT_FP32)
+                    sT = part + fix_row
+                    if K_TOK > 0:
+                        sT += _token_outlier_scores(
+                            KOI + b64 * ko_sb + h * ko_sh, KOV + b64 * ko_sb + h * ko_sh, ko_sp, kc_bytes, kc_sn,
+                            ks, kz, ks_sn, ks_sc, kcb, pl, q_cols, gh_ok, l0 + sub * BN, end, len_b, HAS_PL, P, BN,
+                            K_TOK, KIND, BITS, DK)
+                    elif K_NOUT > 0:
+                        hit = ((t + sub * BN)[:, None] == r[None, :]) & o_ok[None, :]  # [BN, KCP]
+                        sT += _dot(_cast(hit.to(tl.float32), DOT_FP32, DT), qd_o, DOT_FP32)
+                    valid = ok[:, None] & gh_ok[None, :]
+                    sT = tl.where(valid, sT * qk_scale, float("-inf"))
+                    if WRITE_SCORES:
+                        tl.store(sc_cols + n_sink + tok[:, None], sT, mask=valid)
+                    m_new = tl.maximum(m_new, tl.max(sT, 0))
+                    sTs = sTs + (sT,)
+                    toks = toks + (tok,)
+                    oks = oks + (ok,)
+                alpha = tl.exp2(m_i - m_new)
+                l_i = l_i * alpha
+                alpha_v = tl.reshape(tl.broadcast_to(alpha[None, :], (NGP, GQ)), (RV,))
+                z_acc = z_acc * alpha_v
+                scaled = ()
+                for I in tl.static_range(PHV):
+                    scaled = scaled + (accs[I] * alpha_v[None, :],)
+                accs = scaled
+                for sub in tl.static_range(SUB):
+                    pT = tl.exp2(sTs[sub] - m_new[None, :])
+                    l_i += tl.sum(pT, 0)
+                    z_acc, accs = _value_tile(
+                        pT, toks[sub], oks[sub], vs, vz, vs_sn, vc, vc_step, ng, z_acc, accs, None, vtt, vlev,
+                        vcb, BN, RV, NG, NGP, GQ, PHV, WV, V_WB, VB, BITS, PPB, MAGIC, SHIFT, C, IS_INT,
+                        V_HAS_ZERO, V_ASM, V_LUT_ASM, DOT_FP32, DT, KIND, LUT)
+                m_i = m_new
         out_g = (b * HKV * G + h * G + gh) * NS + split
         tl.store(M_OUT + out_g, m_i, mask=gh_ok)
         tl.store(L_OUT + out_g, l_i, mask=gh_ok)
