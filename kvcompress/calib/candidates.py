@@ -27,7 +27,8 @@ KEY_OUTLIER_SHARES = (0.0, 0.005, 0.01, 0.02)
 # Key choices with calibrated bits per channel ("cw3.5": 3.5 bits per channel on average, calib/widths.py),
 # each channel on its page range. On SmolLM2's probe "cw3" (3.5 bits per key element with its ranges) loses
 # 22 % less than nuq3's keys (4.1 bits), and with these choices the 3.5-bit config's KL fell 41 %
-# (BENCHMARKS.md, "Keys on calibrated widths per channel"). The general fused kernel reads them.
+# (BENCHMARKS.md, "Keys on calibrated widths per channel"). Only the general fused kernel reads them
+# (`calibrate --no-key-widths` leaves them out).
 KEY_WIDTHS = (2.0, 2.5, 3.0, 3.25, 3.5, 3.75, 4.0, 4.5)
 KEY_WIDTH_SHARES = (0.0, 0.005)  # and with 0.5 % of each page exact ("cw3@0.005")
 STREAMS = ("key", "value")
