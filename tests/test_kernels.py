@@ -525,7 +525,7 @@ def test_pages_of_48_tokens(name, monkeypatch):
     """Pages whose size is not a power of two (48): the phase kernel reads a page per step in tiles of 16
     (its folded query, outlier list and softmax update once per page; a spy says it ran; splits hold whole
     pages), the general kernel in blocks of 16 (phase_kernel=False; the paged kernel's tiles are whole
-    pages, so it is passed over); both equal the twin, with ragged rows and a page list."""
+    pages, so it is passed over); both equal the twin, with ragged rows, a page list and left padding."""
     from kvcompress.kernels import decode_phase_triton as phase
 
     assert phase.phase_block(48, None) == 16 and phase.phase_block(48, 8) == 8 and phase.phase_block(32, None) == 32
@@ -540,6 +540,11 @@ def test_pages_of_48_tokens(name, monkeypatch):
         assert len(launches) == n + (name != "nuq4")  # nuq4 here: per-channel keys, the general kernel
         check_triton(parts, q, pl, block_n=None, phase_kernel=False)
         assert len(launches) == n + (name != "nuq4")
+    parts.row_starts = torch.tensor([1, 70], dtype=torch.int32)  # left padding in the sinks and in a page
+    n = len(launches)
+    for pl in (None, random_page_list(2, 2, 4, 3, seed=53)):
+        check_triton(parts, q, pl, block_n=None)
+    assert len(launches) == n + 2 * (name != "nuq4")
 
 
 @needs_triton
