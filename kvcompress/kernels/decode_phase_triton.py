@@ -286,6 +286,26 @@ def _by_phase(x, N: tl.constexpr):
 
 
 @triton.jit
+def _operand(w, I: tl.constexpr, held, ASM_INT: tl.constexpr, ASM_LUT: tl.constexpr, BITS: tl.constexpr,
+             PPB: tl.constexpr, MAGIC: tl.constexpr, SHIFT: tl.constexpr, DOT_FP32: tl.constexpr, DT: tl.constexpr,
+             KIND: tl.constexpr, LUT: tl.constexpr, lev, cb, tt):
+    """Phase I's dot operand of the word tile w, and `held`: the codes or levels that inline PTX unpacked
+    a byte at a time (ASM_INT: int codes, PPB phases per byte; ASM_LUT: 4-bit levels, two per byte), which
+    the next phases of the byte take theirs from (pass it back in; 0 before the first phase)."""
+    if ASM_INT:
+        if I % PPB == 0:
+            held = byte_codes(w, I // PPB, BITS, MAGIC, DT)
+        x = held[I % PPB]
+    elif ASM_LUT:
+        if I % 2 == 0:
+            held = byte_levels(w, I // 2, tt, DT)
+        x = held[I % 2]
+    else:
+        x = _phase(w, I, BITS, MAGIC, SHIFT, DOT_FP32, DT, KIND, LUT, lev, cb)
+    return x, held
+
+
+@triton.jit
 def _value_tile(pT, tok, ok, vs, vz, vs_sn, vc, vc_step, ng, z_acc, accs, alpha_v, vtt, vlev, vcb,
                 BN: tl.constexpr, RV: tl.constexpr, NG: tl.constexpr, NGP: tl.constexpr, GQ: tl.constexpr,
                 PHV: tl.constexpr, WV: tl.constexpr, V_WB: tl.constexpr, VB: tl.constexpr, BITS: tl.constexpr,
@@ -307,17 +327,10 @@ def _value_tile(pT, tok, ok, vs, vz, vs_sn, vc, vc_step, ng, z_acc, accs, alpha_
         z_acc += tl.sum(C * aT - (SHIFT + C) * ad.to(tl.float32), 0)
     vw = _words(vc, vc_step, tok, ok, WV, True, V_WB)  # [WV, BN]
     new = ()
-    for I in tl.static_range(PHV):
-        if V_ASM:
-            if I % PPB == 0:
-                vbyte = byte_codes(vw, I // PPB, BITS, MAGIC, DT)
-            vcodes = vbyte[I % PPB]
-        elif V_LUT_ASM:
-            if I % 2 == 0:
-                vbyte = byte_levels(vw, I // 2, vtt, DT)
-            vcodes = vbyte[I % 2]
-        else:
-            vcodes = _phase(vw, I, VB, MAGIC, SHIFT, DOT_FP32, DT, KIND, LUT, vlev, vcb)
+    vbyte = 0
+    for I in tl.static_range(PHV):  # int values have the keys' width (VB == BITS)
+        vcodes, vbyte = _operand(vw, I, vbyte, V_ASM, V_LUT_ASM, VB, PPB, MAGIC, SHIFT, DOT_FP32, DT, KIND, LUT,
+                                 vlev, vcb, vtt)
         acc = accs[I]
         if alpha_v is not None:
             acc = acc * alpha_v[None, :]
@@ -491,6 +504,7 @@ def _phase_split_kernel(
                     # loop waited on: int4 1.18x -> 1.36x bf16 SDPA at 32K x 8, nuq4 0.68x -> 0.74x (H200)
                     ks_ph = _by_phase(tl.load(ks + kpage * ks_sn + k_rows), PHK)
                     kz_ph = _by_phase(tl.load(kz + kpage * ks_sn + k_rows), PHK)
+                    kbyte = 0
                     for I in tl.static_range(PHK):
                         k_s = ks_ph[I].to(tl.float32)
                         k_z = kz_ph[I].to(tl.float32)
@@ -504,16 +518,8 @@ def _phase_split_kernel(
                             # codes enter as c + K_SHIFT: (K_SHIFT + C) comes out with the same rounded operand and
                             # C goes back unrounded, so the operand's rounding multiplies the centred codes
                             fix += C * qs - (K_SHIFT + C) * qd.to(tl.float32)
-                        if K_ASM:
-                            if I % PPB == 0:
-                                kbyte = byte_codes(kw, I // PPB, BITS, K_MAGIC, DT)
-                            codes = kbyte[I % PPB]
-                        elif K_LUT_ASM:
-                            if I % 2 == 0:
-                                kbyte = byte_levels(kw, I // 2, ktt, DT)
-                            codes = kbyte[I % 2]
-                        else:
-                            codes = _phase(kw, I, BITS, K_MAGIC, K_SHIFT, DOT_FP32, DT, K_KIND, LUT, klev, kcb)
+                        codes, kbyte = _operand(kw, I, kbyte, K_ASM, K_LUT_ASM, BITS, PPB, K_MAGIC, K_SHIFT,
+                                                DOT_FP32, DT, K_KIND, LUT, klev, kcb, ktt)
                         part = _mma(codes, qd, part, DOT_FP32)
                     sT = tl.where(((t // P) == j)[:, None], part + tl.sum(fix, 0)[None, :], sT)
                 if K_TOK > 0 or K_NOUT > 0:
@@ -580,17 +586,10 @@ def _phase_split_kernel(
                         ok = ok & (tok + n_sink >= row_first)
                     kw = _words(kc, kc_step, tok, ok, WK, False, K_WB)  # [BN, WK]
                     part = tl.zeros([BN, GQ], tl.float32)
+                    kbyte = 0
                     for I in tl.static_range(PHK):
-                        if K_ASM:
-                            if I % PPB == 0:
-                                kbyte = byte_codes(kw, I // PPB, BITS, K_MAGIC, DT)
-                            codes = kbyte[I % PPB]
-                        elif K_LUT_ASM:
-                            if I % 2 == 0:
-                                kbyte = byte_levels(kw, I // 2, ktt, DT)
-                            codes = kbyte[I % 2]
-                        else:
-                            codes = _phase(kw, I, BITS, K_MAGIC, K_SHIFT, DOT_FP32, DT, K_KIND, LUT, klev, kcb)
+                        codes, kbyte = _operand(kw, I, kbyte, K_ASM, K_LUT_ASM, BITS, PPB, K_MAGIC, K_SHIFT,
+                                                DOT_FP32, DT, K_KIND, LUT, klev, kcb, ktt)
                         part = _mma(codes, qds[I], part, DOT_FP32)
                     sT = part + fix_row
                     if K_TOK > 0:
