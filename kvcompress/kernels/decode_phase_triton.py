@@ -286,6 +286,43 @@ def _by_phase(x, N: tl.constexpr):
 
 
 @triton.jit
+def _tile_tokens(l, end, pl, len_b, n_sink, row_first, HAS_PL: tl.constexpr, HAS_STARTS: tl.constexpr,
+                 P: tl.constexpr):
+    """(held position, validity) of the logical tokens l [BN]: through the Quest page list when there is
+    one (an empty slot, -1, reads nothing), before the row's end, after its left padding."""
+    if HAS_PL:
+        page = tl.load(pl + l // P, mask=l < end, other=-1)
+        tok = page * P + l % P
+        ok = (l < end) & (page >= 0) & (tok < len_b)
+    else:
+        tok = l
+        ok = l < end
+    if HAS_STARTS:
+        ok = ok & (tok + n_sink >= row_first)
+    return tok, ok
+
+
+@triton.jit
+def _fold_scales(q_i, ks_i, kz_i, fix, k_lo, k_step, K_AFFINE: tl.constexpr, K_INT: tl.constexpr,
+                 C: tl.constexpr, K_SHIFT: tl.constexpr, DOT_FP32: tl.constexpr, DT: tl.constexpr):
+    """Phase I of a page's key scales and zeros folded into the query: (q * scale as the dot operand
+    [WK, GQ], fix + q * zero, the part of every score that does not depend on the codes)."""
+    k_s = ks_i.to(tl.float32)
+    k_z = kz_i.to(tl.float32)
+    if K_AFFINE:  # x = z + s * (lo + step * c) = (z + s * lo) + (s * step) * c
+        k_z = k_z + k_s * k_lo
+        k_s = k_s * k_step
+    qs = q_i * k_s[:, None]
+    qd = _cast(qs, DOT_FP32, DT)
+    fix += q_i * k_z[:, None]
+    if K_INT:
+        # codes enter as c + K_SHIFT: (K_SHIFT + C) comes out with the same rounded operand and C goes back
+        # unrounded, so the operand's rounding multiplies the centred codes
+        fix += C * qs - (K_SHIFT + C) * qd.to(tl.float32)
+    return qd, fix
+
+
+@triton.jit
 def _operand(w, I: tl.constexpr, held, ASM_INT: tl.constexpr, ASM_LUT: tl.constexpr, BITS: tl.constexpr,
              PPB: tl.constexpr, MAGIC: tl.constexpr, SHIFT: tl.constexpr, DOT_FP32: tl.constexpr, DT: tl.constexpr,
              KIND: tl.constexpr, LUT: tl.constexpr, lev, cb, tt):
@@ -463,16 +500,7 @@ def _phase_split_kernel(
         end = tl.minimum(start + tokens_per_split, n_logical)
         for l0 in range(start, end, BN * SUB):
             if SUB == 1:  # tiles of whole pages, or of one page
-                l = l0 + t
-                if HAS_PL:
-                    page = tl.load(pl + l // P, mask=l < end, other=-1)
-                    tok = page * P + l % P
-                    ok = (l < end) & (page >= 0) & (tok < len_b)
-                else:
-                    tok = l
-                    ok = l < end
-                if HAS_STARTS:
-                    ok = ok & (tok + n_sink >= row_first)
+                tok, ok = _tile_tokens(l0 + t, end, pl, len_b, n_sink, row_first, HAS_PL, HAS_STARTS, P)
                 # -- the exact key outliers' corrections first: their chains of dependent loads (slot -> channel ->
                 # code, page range, query) then run under the dense work of the tile instead of after it
                 corr = 0.0
@@ -506,18 +534,8 @@ def _phase_split_kernel(
                     kz_ph = _by_phase(tl.load(kz + kpage * ks_sn + k_rows), PHK)
                     kbyte = 0
                     for I in tl.static_range(PHK):
-                        k_s = ks_ph[I].to(tl.float32)
-                        k_z = kz_ph[I].to(tl.float32)
-                        if K_AFFINE:  # x = z + s * (lo + step * c) = (z + s * lo) + (s * step) * c
-                            k_z = k_z + k_s * k_lo
-                            k_s = k_s * k_step
-                        qs = qph[I] * k_s[:, None]
-                        qd = _cast(qs, DOT_FP32, DT)
-                        fix += qph[I] * k_z[:, None]
-                        if K_INT:
-                            # codes enter as c + K_SHIFT: (K_SHIFT + C) comes out with the same rounded operand and
-                            # C goes back unrounded, so the operand's rounding multiplies the centred codes
-                            fix += C * qs - (K_SHIFT + C) * qd.to(tl.float32)
+                        qd, fix = _fold_scales(qph[I], ks_ph[I], kz_ph[I], fix, k_lo, k_step, K_AFFINE, K_INT, C,
+                                               K_SHIFT, DOT_FP32, DT)
                         codes, kbyte = _operand(kw, I, kbyte, K_ASM, K_LUT_ASM, BITS, PPB, K_MAGIC, K_SHIFT,
                                                 DOT_FP32, DT, K_KIND, LUT, klev, kcb, ktt)
                         part = _mma(codes, qd, part, DOT_FP32)
@@ -550,16 +568,8 @@ def _phase_split_kernel(
                 qds = ()
                 fix = tl.zeros([WK, GQ], tl.float32)
                 for I in tl.static_range(PHK):
-                    k_s = ks_ph[I].to(tl.float32)
-                    k_z = kz_ph[I].to(tl.float32)
-                    if K_AFFINE:
-                        k_z = k_z + k_s * k_lo
-                        k_s = k_s * k_step
-                    qs = qph[I] * k_s[:, None]
-                    qd = _cast(qs, DOT_FP32, DT)
-                    fix += qph[I] * k_z[:, None]
-                    if K_INT:
-                        fix += C * qs - (K_SHIFT + C) * qd.to(tl.float32)
+                    qd, fix = _fold_scales(qph[I], ks_ph[I], kz_ph[I], fix, k_lo, k_step, K_AFFINE, K_INT, C, K_SHIFT,
+                                           DOT_FP32, DT)
                     qds = qds + (qd,)
                 fix_row = tl.sum(fix, 0)[None, :]
                 if K_TOK == 0 and K_NOUT > 0:  # the page's outlier list, matched against each tile's rows
@@ -574,16 +584,7 @@ def _phase_split_kernel(
                 oks = ()
                 m_new = m_i
                 for sub in tl.static_range(SUB):
-                    l = l0 + sub * BN + t
-                    if HAS_PL:  # the same slot for the whole tile, read as the other kernels read it
-                        page = tl.load(pl + l // P, mask=l < end, other=-1)
-                        tok = page * P + l % P
-                        ok = (l < end) & (page >= 0) & (tok < len_b)
-                    else:
-                        tok = l
-                        ok = l < end
-                    if HAS_STARTS:
-                        ok = ok & (tok + n_sink >= row_first)
+                    tok, ok = _tile_tokens(l0 + sub * BN + t, end, pl, len_b, n_sink, row_first, HAS_PL, HAS_STARTS, P)
                     kw = _words(kc, kc_step, tok, ok, WK, False, K_WB)  # [BN, WK]
                     part = tl.zeros([BN, GQ], tl.float32)
                     kbyte = 0
