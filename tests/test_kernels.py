@@ -70,7 +70,7 @@ SPECS = {
     # the nuq2 preset: keys per page range, values Hadamard-rotated on a Gaussian codebook (phase kernel)
     "nuq2-vrot": (QuantSpec(method="nuq", bits=2, axis="page", outlier_fraction=0.01, scale_format="e4m3"),
                   QuantSpec(method="nuq", bits=2, axis="token", rotation=True, scale_format="e5m2")),
-    # the nuq3 preset: keys per page range with 2 % outliers, values Hadamard-rotated (phase kernel at d >= 128)
+    # the nuq3 preset: keys per page range with 2 % outliers, values Hadamard-rotated (phase kernel at d >= 64)
     "nuq3-vrot": (QuantSpec(method="nuq", bits=3, axis="page", outlier_fraction=0.02, scale_format="e4m3"),
                   QuantSpec(method="nuq", bits=3, axis="token", rotation=True, scale_format="e5m2")),
     # calibrated mixed configs: nuq keys and values at different bits (phase kernel)

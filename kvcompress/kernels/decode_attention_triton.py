@@ -598,8 +598,8 @@ def decode_attention_triton(
     shuffle from levels held in registers, the phase kernel only; the paged kernel reads "shuffle" as
     "gather"; None: measured best on an H200, "shuffle" in the phase kernel, "select" in the paged one),
     phase_kernel: False keeps the caches that decode_phase_triton reads (KIVI int2 / int3 / int4, nuq4 /
-    nuq3 / nuq2 keys per page) on decode_paged_triton (3-bit codes: the general kernel; to compare), fp8_f16: False keeps fp8 caches' dots in
-    the model dtype (to compare; True: fp16 operands, see decode_fp8_triton), unpack: how the phase kernel
+    nuq3 / nuq2 keys per page) on decode_paged_triton (3-bit codes: the general kernel; to compare),
+    fp8_f16: False keeps fp8 caches' dots in the model dtype (to compare; True: fp16 operands, see decode_fp8_triton), unpack: how the phase kernel
     turns int codes into bf16 / fp16 operands ("asm": inline PTX, several codes per instruction, the GPU
     only; "ops": Triton operations, one code at a time, the same values; None: "asm" where it runs),
     exact_apart: the fp8 kernel leaves the sinks and tail to the split merge (exact_reduce_triton), so the

@@ -59,15 +59,15 @@ LUTS = {"select": LUT_SELECT, "gather": LUT_GATHER, "shuffle": LUT_SHUFFLE}
 
 def phase_supported(key: StreamArgs, value: StreamArgs, dk: int, dv: int, page_size: int) -> bool:
     """Whether this kernel reads the pair: 2/3/4-bit keys (int or nuq, both streams the same kind; int both
-    the same width, nuq values at any of 2/3/4 bits)
-    with a (scale, zero) per page and channel, values scaled per token (int: per group of channels with
-    zeros; nuq: per whole token), outliers only in the keys, word loads of >= 16 words per token (3-bit
-    codes: words of 8 or 4 codes, so head dims of 64 and more)."""
+    the same width, nuq values at any of 2/3/4 bits) with a (scale, zero) per page and channel, values
+    scaled per token (int: per group of channels with zeros; nuq: per whole token), outliers only in the
+    keys, word loads of >= 16 words per token (3-bit codes: words of 8 or 4 codes, so head dims of 64 and
+    more), pages of >= 16 tokens."""
     if key.kind != value.kind or key.kind not in (KIND_INT, KIND_NUQ):
         return False
     if key.bits != value.bits and key.kind == KIND_INT:  # int codes of both streams share one offset
         return False
-    if value.bits not in (2, 3, 4) or key.bits not in (2, 3, 4) or key.scale_at != SCALE_PAGE or not key.has_zero or page_size < 16:
+    if {key.bits, value.bits} - {2, 3, 4} or key.scale_at != SCALE_PAGE or not key.has_zero or page_size < 16:
         return False
     if value.scale_at != SCALE_TOKEN or dv % value.group or value.n_outliers:
         return False
@@ -83,7 +83,7 @@ def phase_supported(key: StreamArgs, value: StreamArgs, dk: int, dv: int, page_s
         wb = word_bits(a, d)
         if wb < 0 or a.codes.stride(2) % (4 if wb % 8 else wb // 8) or a.codes.data_ptr() % 4:
             return False
-        if wb % 8 and (d * 3 // 8) % 4:
+        if wb % 8 and (d * a.bits // 8) % 4:
             return False  # a 3-bit code word is read from the two 32-bit words it straddles, inside the row
     return True
 
