@@ -56,6 +56,24 @@ def test_merged_duplicates_attend_like_the_tokens_they_stand_for():
     assert state.log_size.exp()[..., 0].allclose(torch.tensor(3.0))
 
 
+def test_merged_means_are_weighted_by_the_attention_each_token_received():
+    """Two tokens per head, one kept: its new key and value are the means of the pair weighted by H2O's
+    accumulated scores (3 : 1 here, not 1 : 1 by size), its size counts both tokens and the scores add up;
+    a padded slot is neither kept nor weighed."""
+    torch.manual_seed(3)
+    b, h, d = 1, 2, 8
+    k, v = torch.randn(b, h, 3, d), torch.randn(b, h, 3, d)
+    layer = SimpleNamespace(tail_k=k.clone(), tail_v=v.clone(), held_tokens=3)
+    state = SparseState(H2OPolicy(budget=1, merge=True), 0)
+    state.scores = torch.tensor([3.0, 1.0, 0.0]).expand(b, h, 3).clone()
+    valid = torch.tensor([True, True, False]).expand(b, h, 3)
+    merge_compact(layer, state, state.scores, torch.zeros_like(valid), valid, 1)
+    torch.testing.assert_close(layer.tail_k[:, :, 0], (3 * k[:, :, 0] + k[:, :, 1]) / 4, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(layer.tail_v[:, :, 0], (3 * v[:, :, 0] + v[:, :, 1]) / 4, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state.log_size.exp()[:, :, 0], torch.full((b, h), 2.0))
+    torch.testing.assert_close(state.scores[:, :, 0], torch.full((b, h), 4.0))
+
+
 def test_merge_conserves_the_tokens_seen_and_stays_bounded():
     model = make_tiny_model("llama", num_hidden_layers=2)
     budget, page, prompt, steps = 24, 8, 40, 120

@@ -1,22 +1,23 @@
 """Merging evicted tokens into the kept ones (H2O with `merge=True`), instead of dropping them.
 
 When H2O compacts a full-precision layer, each evicted token is folded into the kept token of the same
-kv head whose key is most similar (cosine): the kept key and value become the size-weighted means of the
-tokens merged into them, and the kept token's size (how many tokens it stands for) grows. Attention
-then adds log(size) to each held token's logit (`attention_bias`): a token that stands for n tokens
-with one key gets the softmax weight those n identical keys would get together, so a merged group keeps
-its share of the attention instead of losing it (ToMe's proportional attention, arXiv:2210.09461;
-merging evicted KV as in D2O, arXiv:2406.13035). H2O's accumulated scores of merged tokens add up.
+kv head whose key is most similar (cosine). The kept key and value become the means of the tokens merged
+into them, each weighted by the attention it has accumulated (H2O's scores), so that a group's key and value
+lean to the tokens its queries actually read. The kept token's size (how many tokens it stands for) grows,
+and attention adds log(size) to each held token's logit (`attention_bias`): a token that stands for n tokens
+with one key gets the softmax weight those n identical keys would get together, so a merged group keeps its
+share of the attention instead of losing it (ToMe's proportional attention, arXiv:2210.09461; merging
+evicted KV as in D2O, arXiv:2406.13035). H2O's accumulated scores of merged tokens add up.
 
 Memory stays bounded: the held tokens are exactly those plain H2O keeps, plus one float32 size per held
 token and kv head (`SparseState.log_size`). Only full-precision storage merges: a quantized page cannot
 take a merged value without re-quantizing values that are already lossy.
 
-Measured on SmolLM2-135M, 50 % of the context, 4 sinks kept (BENCHMARKS.md, "H2O with merged
-evictions"), 8 windows of 1024 tokens: +0.30 % perplexity on average against +0.48 % for dropping, less
-loss on 6 of the 8 windows (all 4 of eval.txt, 2 of 4 of calib.txt). Merging into the recent window is
-part of why: barring it lost +1.50 % on the first window (+0.67 % allowed). At 25 % of the context merging
-loses more than dropping (+6.7 % against +3.4 %).
+Measured on SmolLM2-135M, 50 % of the context, 4 sinks kept (BENCHMARKS.md, "H2O merges weighted by
+attention"), 4 windows of 1024 tokens of eval.txt: -0.03 % perplexity on average (KL 9.1e-3) with means
+weighted by attention, +0.59 % (KL 1.4e-2) with means weighted by size, +1.30 % for dropping. Merging into
+the recent window is part of why: barring it lost +1.50 % on the first window (+0.67 % allowed). At 25 % of
+the context merging loses more than dropping (+3.8 % against +3.4 % on the first window).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 from kvcompress.sparse.base import gather_tokens, kept_tokens
 
 SIM_ELEMENTS = 1 << 26  # float32 similarities held at once, [B, H, rows, held]: 256 MB
+SCORE_FLOOR = 1e-6  # weight of a token no query has read yet, in attention mass (a query's is 1 per head)
 
 
 def padded_log_size(state, held: int, like: torch.Tensor) -> torch.Tensor:
@@ -62,6 +64,19 @@ def nearest_kept(keys: torch.Tensor, rows: torch.Tensor, keep: torch.Tensor) -> 
     return torch.cat(out, dim=2)
 
 
+def mean_weights(state, size: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """[B, H, held] weight of each held token in the merged means: the attention it has accumulated (H2O's
+    scores, which add up over merges), plus a floor so that a token no query has read yet still counts a
+    little; its size where there are no scores. Padding weighs nothing."""
+    scores = state.scores
+    if scores is None:
+        return size
+    scores = scores[..., : size.shape[2]]
+    if scores.shape[2] < size.shape[2]:
+        scores = torch.cat([scores, scores.new_zeros(scores.shape[:2] + (size.shape[2] - scores.shape[2],))], 2)
+    return torch.where(valid, scores.float().clamp_min(0.0) + SCORE_FLOOR, torch.zeros_like(size))
+
+
 def merge_compact(
     layer, state, priority: torch.Tensor, forced: torch.Tensor, valid: torch.Tensor, n_keep: int
 ) -> None:
@@ -83,10 +98,11 @@ def merge_compact(
     target = torch.arange(held, device=idx.device).expand(b, h, held).clone()
     target.scatter_(2, evicted, nearest_kept(k, evicted, keep & valid))
     total = torch.zeros_like(size).scatter_add_(2, target, size)  # [B, H, held]: new size of each kept token
-    denom = total.clamp_min(1e-30)[..., None]
+    weight = mean_weights(state, size, valid)
+    denom = torch.zeros_like(weight).scatter_add_(2, target, weight).clamp_min(1e-30)[..., None]
 
     def merged(x):
-        s = torch.zeros_like(x).scatter_add_(2, target[..., None].expand_as(x), size[..., None] * x)
+        s = torch.zeros_like(x).scatter_add_(2, target[..., None].expand_as(x), weight[..., None] * x)
         return torch.where(keep[..., None] & (total[..., None] > 0), s / denom, x)
 
     layer.tail_k = gather_tokens(merged(k).to(layer.tail_k.dtype), idx)
