@@ -63,8 +63,8 @@ def _fail(e: Exception):
               help="With a budget: H2O keep ratios a layer may get besides keeping every token (0.75,0.5); "
                    "a config that evicts runs under kvcompress.enable(model).")
 @click.option("--key-widths/--no-key-widths", default=True, show_default=True,
-              help="With a budget: offer keys on calibrated bits per channel (less loss at equal bits; read by "
-                   "the general fused kernel, slower on a GPU than the nuq layers' phase kernel).")
+              help="With a budget: offer keys on calibrated bits per channel (less loss at equal bits; "
+                   "read by the general fused kernel, slower on a GPU than the nuq layers' phase kernel).")
 @click.option("--preset", "-p", default="nuq4", show_default=True, help="Base preset to calibrate (without a budget).")
 @click.option("--per-head/--per-layer", default=True, show_default=True, help="One codebook per kv head or per layer.")
 @click.option("--weighting", type=click.Choice(["attention", "none"]), default="none", show_default=True,

@@ -16,8 +16,9 @@ Sliding-window layers always stay exact (they are bounded already). Quantization
 - nuq4-fast: nuq4 without key outliers, on key pages of 32, for the fused kernel's speed: no exact
   corrections to gather, so it decodes faster (1.15x bf16 SDPA at 32K x 8 on an H200, against nuq4's
   0.83x on pages of 32; 1.66x against nuq4's 1.25x on an H100) at 4.49 bits per element (nuq4 4.57)
-  and, on SmolLM2, the same quality within one window's spread (BENCHMARKS.md, "The `nuq4-fast` preset"). Models with sharper per-token key spikes may
-  need nuq4's outliers: compare the two with `kvcompress eval -p nuq4 -p nuq4-fast` on your model.
+  and, on SmolLM2, the same quality within one window's spread (BENCHMARKS.md, "The `nuq4-fast`
+  preset"). Models with sharper per-token key spikes may need nuq4's outliers: compare the two with
+  `kvcompress eval -p nuq4 -p nuq4-fast` on your model.
 - nuq4-vrot: nuq4 with its values Hadamard-rotated onto the Gaussian codebook, as nuq3 / nuq2 hold them:
   the same bits, attention outputs 0.7-7.4 dB cleaner per layer on SmolLM2 and better long-context
   retrieval (BENCHMARKS.md); calibration has no levels to fit on such values.

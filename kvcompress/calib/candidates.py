@@ -55,7 +55,8 @@ def key_choices(outlier_fraction: float, widths: bool = True) -> tuple[str, ...]
         own = choice_spec(name, "key", outlier_fraction).outlier_fraction
         extra += [f"{name}@{share:g}" for share in KEY_OUTLIER_SHARES if share != own]
     if widths:
-        extra += [f"cw{w:g}" + (f"@{share:g}" if share else "") for w in KEY_WIDTHS for share in KEY_WIDTH_SHARES]
+        extra += [f"cw{w:g}" + (f"@{share:g}" if share else "")
+                  for w in KEY_WIDTHS for share in KEY_WIDTH_SHARES]
     return CANDIDATES + tuple(extra)
 
 

@@ -599,9 +599,10 @@ def decode_attention_triton(
     "gather"; None: measured best on an H200, "shuffle" in the phase kernel, "select" in the paged one),
     phase_kernel: False keeps the caches that decode_phase_triton reads (KIVI int2 / int3 / int4, nuq4 /
     nuq3 / nuq2 keys per page) on decode_paged_triton (3-bit codes: the general kernel; to compare),
-    fp8_f16: False keeps fp8 caches' dots in the model dtype (to compare; True: fp16 operands, see decode_fp8_triton), unpack: how the phase kernel
-    turns int codes into bf16 / fp16 operands ("asm": inline PTX, several codes per instruction, the GPU
-    only; "ops": Triton operations, one code at a time, the same values; None: "asm" where it runs),
+    fp8_f16: False keeps fp8 caches' dots in the model dtype (to compare; True: fp16 operands, see
+    decode_fp8_triton), unpack: how the phase kernel turns int codes into bf16 / fp16 operands ("asm":
+    inline PTX, several codes per instruction, the GPU only; "ops": Triton operations, one code at a time,
+    the same values; None: "asm" where it runs),
     exact_apart: the fp8 kernel leaves the sinks and tail to the split merge (exact_reduce_triton), so the
     body's launch does not carry their registers and shared memory (False: all in the body's launch, to
     compare), fp8_phase: the fp8 body with tokens as M of both dots and the values read by phase

@@ -66,15 +66,11 @@ def nearest_kept(keys: torch.Tensor, rows: torch.Tensor, keep: torch.Tensor) -> 
 
 def mean_weights(state, size: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """[B, H, held] weight of each held token in the merged means: the attention it has accumulated (H2O's
-    scores, which add up over merges), plus a floor so that a token no query has read yet still counts a
-    little; its size where there are no scores. Padding weighs nothing."""
-    scores = state.scores
-    if scores is None:
+    scores, [B, H, held] at every compaction, which add up over merges), plus a floor so that a token no
+    query has read yet still counts a little; its size where there are no scores. Padding weighs nothing."""
+    if state.scores is None:
         return size
-    scores = scores[..., : size.shape[2]]
-    if scores.shape[2] < size.shape[2]:
-        scores = torch.cat([scores, scores.new_zeros(scores.shape[:2] + (size.shape[2] - scores.shape[2],))], 2)
-    return torch.where(valid, scores.float().clamp_min(0.0) + SCORE_FLOOR, torch.zeros_like(size))
+    return torch.where(valid, state.scores + SCORE_FLOOR, torch.zeros_like(size))
 
 
 def merge_compact(
