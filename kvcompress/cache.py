@@ -127,7 +127,7 @@ class CompressedLayer(CacheLayerMixin):
         if self.sparse is not None:  # the kvcompress attention (or the absorbed MLA forward) reads the step
             # an MLA token's key is its latent and RoPE key together: Quest summarises both parts
             new_keys = torch.cat([key_states, value_states], -1) if self.mla_latent else key_states
-            self.sparse.on_update(self, new_keys, k, v)
+            self.sparse.on_update(self, new_keys, k, v, value_states)
         return k, v
 
     def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:

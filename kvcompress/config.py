@@ -174,7 +174,10 @@ class SparsitySpec:
     share its pages (ranked across heads by their estimated attention mass); "layers": the same, and
     the sparse layers also share one step's pages (each gets a share by the previous step's estimates).
     sinks: first tokens always kept (StreamingLLM, H2O). merge (H2O, full-precision layers): fold each evicted
-    token into its most similar kept one instead of dropping it (kvcompress.sparse.merge).
+    token into its most similar kept one instead of dropping it (kvcompress.sparse.merge). unread_means
+    (Quest): each page a step does not read still takes part in the attention as one token standing for its
+    page: the centre of its key box, the mean of its values, weighted by its token count
+    (kvcompress.sparse.unread); it keeps a mean value per page beside the key summaries.
     """
 
     method: str = "none"
@@ -188,6 +191,7 @@ class SparsitySpec:
     dense_layers: int = 0
     budget_sharing: str = "none"
     merge: bool = False
+    unread_means: bool = False
 
     def __post_init__(self):
         if self.method not in SPARSITY_METHODS:
@@ -212,6 +216,10 @@ class SparsitySpec:
                 f"sinks apply to H2O and StreamingLLM, not to {self.method!r}: Quest always reads the first "
                 f"page; to keep the first tokens exact in a quantized layer use LayerPolicy.sinks; drop "
                 f"sinks={self.sinks}")
+        if self.unread_means and self.method != "quest":
+            raise ConfigError(
+                f"unread_means stands in for the pages Quest does not read, not for {self.method!r}'s "
+                f"evicted tokens (H2O can merge them: merge=True); drop unread_means=True")
         if self.budget_sharing != "none" and self.method != "quest":
             raise ConfigError(f"budget_sharing applies to Quest's page selection, not to {self.method!r}; drop "
                               f"budget_sharing={self.budget_sharing!r}")

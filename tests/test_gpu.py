@@ -271,17 +271,18 @@ def test_graphed_encoders_outlive_each_other(monkeypatch):
         pytest.skip("CUDA graphs need a GPU")
     monkeypatch.setenv("KVCOMPRESS_ENCODE_GRAPHS", "1")
     policy = KVCompressConfig.from_preset("nuq4", ModelLayout("llama", 1, 2, 64, 64, ("full_attention",))).layers[0]
-    k = torch.randn(2, 2, 150, 64, generator=torch.Generator().manual_seed(32)).to(DEV)
+    n = 60 + 3 * policy.page_size  # decode steps that fill at least two pages past the prefill's
+    k = torch.randn(2, 2, n, 64, generator=torch.Generator().manual_seed(32)).to(DEV)
     for _ in range(3):
         layer = CompressedLayer(policy)
         layer.update(k[:, :, :60], k[:, :, :60])
-        for t in range(60, 150):
+        for t in range(60, n):
             layer.update(k[:, :, t:t + 1], k[:, :, t:t + 1])
         assert any(e.graph is not None for e in layer.key_store.graphed.entries.values())
         store, last = layer.key_store, layer.key_store.n_pages - 1  # the newest page came from a replay
         lo = layer.sink_k.shape[2] + last * store.page_size
         want = store.codec.decode(store.codec.encode(k[:, :, lo:lo + store.page_size], {}), {}, torch.float32)
-        assert last >= 2 and torch.equal(store.decode_pages(last, last + 1, torch.float32), want)
+        assert lo >= 60 and torch.equal(store.decode_pages(last, last + 1, torch.float32), want)
         del layer
         gc.collect()
 

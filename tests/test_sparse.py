@@ -66,6 +66,7 @@ SPECS = {
     "quest": lambda budget: SparsitySpec("quest", budget=budget, page_size=8),
     "quest-shared": lambda budget: SparsitySpec("quest", budget=budget, page_size=8, budget_sharing="heads"),
     "quest-layers": lambda budget: SparsitySpec("quest", budget=budget, page_size=8, budget_sharing="layers"),
+    "quest-means": lambda budget: SparsitySpec("quest", budget=budget, page_size=8, unread_means=True),
 }
 
 
@@ -269,7 +270,7 @@ def test_shared_budget_reads_the_selection_and_counts_it(model):
     # padding slots read nothing: the same attention as a mask over the held tokens
     query = torch.randn(1, model.config.num_attention_heads, 1, step.keys.shape[-1])
     selected = torch.zeros(1, h, held, dtype=torch.bool).scatter(2, idx.clamp_min(0), real)
-    fake = lambda s: type("L", (), {"sparse": type("S", (), {"step": s})()})()
+    fake = lambda s: type("L", (), {"sparse": type("S", (), {"step": s, "policy": layer.sparse.policy})()})()
     out, _ = attend_torch(query, fake(step), 0.125)
     masked = StepInputs(keys=step.keys, values=step.values, q_len=1, mask=step.mask & selected[:, :, None])
     ref, _ = attend_torch(query, fake(masked), 0.125)

@@ -74,7 +74,7 @@ class DecodeGraph:
             if not layer.compressed or layer.sparse is not None:
                 raise ConfigError(
                     f"layer {layer.layer_idx} is {'lossless' if not layer.compressed else 'sparse'}: a "
-                    "captured step needs every layer quantized and and not sparse (nuq4, int4, fp8, ...)"
+                    "captured step needs every layer quantized and not sparse (nuq4, int4, fp8, ...)"
                 )
         seen = cache.get_seq_length()
         if max_tokens <= seen:

@@ -39,6 +39,7 @@ class SparsePolicy:
     page_size: int = 16
 
     keeps_page_summaries = False  # Quest: min/max key summaries per page
+    unread_means = False  # Quest: skipped pages attended as one token each (kvcompress.sparse.unread)
 
     def __post_init__(self):
         if self.budget < 0 or not 0.0 <= self.ratio <= 1.0 or (self.budget == 0 and self.ratio == 0.0):

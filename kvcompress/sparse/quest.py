@@ -84,10 +84,12 @@ class QuestPolicy(SparsePolicy):
     """radius_scale: how much of a page's key range counts in its logit (1.0: Quest's upper bound).
     budget_sharing: "none" (k pages per kv head), "heads" (the layer's kv heads share k * H pages, see
     `shared_pages`) or "layers" (the sparse layers also share the step's pages, see `LayerAllocator`,
-    which `attach_sparsity` sets as `allocator`)."""
+    which `attach_sparsity` sets as `allocator`). unread_means: the pages a step skips still take part,
+    one token each (kvcompress.sparse.unread)."""
 
     radius_scale: float = RADIUS_SCALE
     budget_sharing: str = "none"
+    unread_means: bool = False
     allocator: LayerAllocator | None = field(default=None, repr=False, compare=False)
     keeps_page_summaries = True
 
@@ -103,7 +105,8 @@ class QuestPolicy(SparsePolicy):
 
     @classmethod
     def from_spec(cls, spec: SparsitySpec) -> "QuestPolicy":
-        return cls(budget=spec.budget, ratio=spec.ratio, page_size=spec.page_size, budget_sharing=spec.budget_sharing)
+        return cls(budget=spec.budget, ratio=spec.ratio, page_size=spec.page_size,
+                   budget_sharing=spec.budget_sharing, unread_means=spec.unread_means)
 
     def reset(self) -> None:
         if self.allocator is not None:

@@ -15,7 +15,8 @@ merged evictions (kvcompress.sparse.merge). Quest's page summaries are `page_min
 [B, H, pages, D] in bfloat16, computed from the full-precision keys as each page of `page_size` tokens
 completes and rounded outward (the min down, the max up), so each box still contains every key of its
 page. In bfloat16 they take half the memory and half the bandwidth of float32 summaries; every decode
-step reads all of them.
+step reads all of them. With `unread_means` each page also keeps the mean of its values, `page_means`
+[B, H, pages, Dv] in bfloat16 (kvcompress.sparse.unread).
 """
 
 from __future__ import annotations
@@ -60,7 +61,9 @@ class SparseState:
         self.log_size: torch.Tensor | None = None  # H2O merge: log of the tokens each held token stands for
         self.page_min: torch.Tensor | None = None
         self.page_max: torch.Tensor | None = None
+        self.page_means: torch.Tensor | None = None  # Quest's unread_means: each page's mean value
         self.pending_keys: torch.Tensor | None = None
+        self.pending_values: torch.Tensor | None = None
         self.step: StepInputs | None = None
         # [B] padding slots each row has, counted by the policies that evict on steps of several tokens (a
         # prefill's padding; a decode token counts as real), so a decode step adds no work on the device
@@ -84,8 +87,10 @@ class SparseState:
         return self.read_index.shape[-1]
 
     # -- the hand-off --------------------------------------------------------------------------
-    def on_update(self, layer, new_keys: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """new_keys: [B, H, q, D] full precision; keys/values: [B, H, held, D] what update returns."""
+    def on_update(self, layer, new_keys: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                  new_values: torch.Tensor | None = None) -> None:
+        """new_keys / new_values: [B, H, q, D] full precision; keys / values: [B, H, held, D], what update
+        returns."""
         waiting = getattr(_local, "pending", None)
         if waiting is not None:
             _local.pending = None
@@ -102,7 +107,7 @@ class SparseState:
             new_pos = new_pos.expand(*self.pos.shape[:2], q)
             self.pos = torch.cat([self.pos, new_pos], dim=2)
         if self.policy.keeps_page_summaries:
-            self._summarize(new_keys)
+            self._summarize(new_keys, new_values if self.policy.unread_means else None)
         self.step = StepInputs(keys=keys, values=values, q_len=q)
         _local.pending = layer
 
@@ -145,8 +150,9 @@ class SparseState:
             self.scores = self.scores.gather(2, idx)
 
     # -- Quest page summaries -----------------------------------------------------------------
-    def _summarize(self, new_keys: torch.Tensor) -> None:
-        """Append min/max summaries of each page that completes; keep the partial page's keys."""
+    def _summarize(self, new_keys: torch.Tensor, new_values: torch.Tensor | None) -> None:
+        """Append min/max summaries of each page that completes (and its mean value, when new_values is
+        given); keep the partial page's keys (and values)."""
         p = self.policy.page_size
         k = new_keys.float()
         if self.pending_keys is not None:
@@ -158,17 +164,27 @@ class SparseState:
             self.page_min = mn if self.page_min is None else torch.cat([self.page_min, mn], 2)
             self.page_max = mx if self.page_max is None else torch.cat([self.page_max, mx], 2)
         self.pending_keys = k[:, :, n:].clone()
+        if new_values is not None:
+            v = new_values.float()
+            if self.pending_values is not None:
+                v = torch.cat([self.pending_values, v], 2)
+            if n:
+                means = v[:, :, :n].reshape(*v.shape[:2], n // p, p, v.shape[3]).mean(3).to(torch.bfloat16)
+                self.page_means = means if self.page_means is None else torch.cat([self.page_means, means], 2)
+            self.pending_values = v[:, :, n:].clone()
 
     # -- batch edits and accounting ----------------------------------------------------------
     def map_batch(self, fn) -> None:
-        for name in ("pos", "scores", "log_size", "page_min", "page_max", "pending_keys", "pad"):
+        for name in ("pos", "scores", "log_size", "page_min", "page_max", "page_means", "pending_keys",
+                     "pending_values", "pad"):
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, fn(t))
 
     def tensors(self) -> list[torch.Tensor]:
         """Tensors held beside the K/V (positions, scores, page summaries): metadata for the memory report."""
-        names = ("pos", "scores", "log_size", "page_min", "page_max", "pending_keys")
+        names = ("pos", "scores", "log_size", "page_min", "page_max", "page_means", "pending_keys",
+                 "pending_values")
         return [getattr(self, n) for n in names if getattr(self, n) is not None]
 
 
@@ -202,6 +218,10 @@ def attach_layer_sparsity(layer):
     from kvcompress.sparse import make_policy
 
     policy = make_policy(layer.policy.sparsity, layer.layer_idx)
+    if policy is not None and policy.unread_means and getattr(layer, "mla_latent", False):
+        raise ConfigError(
+            f"layer {layer.layer_idx} is an MLA latent layer: Quest's unread_means (a mean value per page) "
+            "is built for GQA layers only; drop unread_means=True for this model")
     layer.sparse = SparseState(policy, layer.layer_idx) if policy is not None else None
     return policy
 
