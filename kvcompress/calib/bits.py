@@ -75,7 +75,7 @@ def layer_bytes(policy: LayerPolicy, layout: ModelLayout, layer_idx: int, contex
         exact = min(exact, held)
         body = held - exact
     total = batch * exact * h * (dk + dv) * itemsize
-    total += sparsity_state_bytes(policy, layer_idx, context, h, dk, batch)
+    total += sparsity_state_bytes(policy, layer_idx, context, h, dk, batch, value_dim=dv)
     for spec, d, name in ((policy.key, dk, "key"), (policy.value, dv, "value")):
         cost = stream_cost(spec, policy.stream_tensors(name), policy.page_size, h, d, dtype)
         total += batch * body * h * d * cost.body_bits / 8 + cost.shared_bytes

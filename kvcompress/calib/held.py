@@ -9,7 +9,8 @@ calibration's budget), per kv head of one sequence:
 - SnapKV selects once, at prefill, and then appends without evicting: the context is taken as the prompt,
   so it holds its budget of it (every decoded token adds one more).
 - Quest evicts nothing: it holds every token, plus bfloat16 min / max key summaries per page of its own
-  and the float32 keys of the page still filling.
+  and the float32 keys of the page still filling; with `unread_means` also a bfloat16 mean value per page
+  and the float32 values of the page still filling.
 Layers below `dense_layers` (Quest's dense first layers) hold everything.
 
 Beside the tokens, an evicting layer keeps each held token's position (int32) and H2O its accumulated
@@ -49,15 +50,20 @@ def held_tokens(policy: LayerPolicy, layer_idx: int, context: int) -> int:
 
 
 def sparsity_state_bytes(policy: LayerPolicy, layer_idx: int, context: int, num_heads: int, key_dim: int,
-                         batch: int = 1) -> int:
-    """Bytes of the sparsity state (positions, scores, Quest's page summaries) after `context` tokens."""
+                         batch: int = 1, value_dim: int | None = None) -> int:
+    """Bytes of the sparsity state (positions, scores, Quest's page summaries) after `context` tokens.
+    value_dim (default key_dim): the width of Quest's page means."""
     if not is_sparse_here(policy, layer_idx):
         return 0
     s = policy.sparsity
     rows = batch * num_heads
     if s.method == "quest":
         pages, filling = divmod(context, s.page_size)
-        return rows * (pages * 2 * key_dim * 2 + filling * key_dim * 4)
+        widths = 2 * key_dim, key_dim  # (bfloat16 per page, float32 per filling token): min + max, keys
+        if s.unread_means:
+            dv = key_dim if value_dim is None else value_dim
+            widths = widths[0] + dv, widths[1] + dv
+        return rows * (pages * widths[0] * 2 + filling * widths[1] * 4)
     held = held_tokens(policy, layer_idx, context)
     per_token = POSITION_BYTES if held < context else 0
     if s.method == "h2o":

@@ -121,7 +121,7 @@ def fused_supported(layer) -> bool:
             return False
     sparse = getattr(layer, "sparse", None)
     if sparse is not None and sparse.policy.keeps_page_summaries:  # Quest: its pages must be body pages
-        if getattr(sparse.policy, "unread_means", False):
+        if sparse.policy.unread_means:
             return False  # it reads no page means (kvcompress.sparse.unread): the torch attention does
         page = layer.key_store.page_size
         return sparse.policy.page_size == page and layer.sink_k.shape[2] % page == 0

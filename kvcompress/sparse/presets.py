@@ -22,7 +22,7 @@
   (budget_sharing="layers"; SmolLM2-135M at 1024 tokens: +0.69% / +1.21% perplexity on eval.txt /
   calib.txt, against +1.52% / +2.40% without sharing), and every page a step skips attended as one token
   (its key box's centre, its mean value, weighted by its 4 tokens: unread_means, kvcompress.sparse.unread;
-  over 4 windows of 1024 of eval.txt / calib.txt +0.08% / +0.12% against +1.75% / +0.93% skipping them,
+  over 4 windows of 1024 of eval.txt / calib.txt +0.09% / +0.12% against +1.75% / +0.93% skipping them,
   KL 37% / 41% lower; BENCHMARKS.md, "Quest's skipped pages as one token each").
 - pyramid-h2o-20: H2O with budgets decreasing linearly over depth (PyramidKV, arXiv:2406.02069),
   from 1.8x to 0.2x of 20% of the context, 20% on average.
