@@ -130,8 +130,13 @@ def test_the_fused_kernel_leaves_unread_means_to_the_torch_attention(model):
     assert served == {False: True, True: False}
 
 
-def test_config_round_trip_keeps_unread_means(model, tmp_path):
+def test_config_round_trip_keeps_unread_means_and_inspect_shows_them(model, tmp_path):
+    from kvcompress.calib.inspect import layer_rows
+
     cfg = quest_cache(model, True).kv_config
     cfg.save(tmp_path / "q.safetensors")
     loaded = KVCompressConfig.load(tmp_path / "q.safetensors")
     assert all(p.sparsity.unread_means for p in loaded.layers)
+    assert layer_rows(loaded)[0]["sparsity"] == "quest 12 tok (pages of 4, unread means)"
+    preset = KVCompressConfig.from_preset("quest-25", ModelLayout.from_model_config(model.config))
+    assert layer_rows(preset)[1]["sparsity"] == "quest 25% (pages of 4, shared by layers, unread means)"

@@ -27,11 +27,24 @@ def describe_spec(spec: QuantSpec, widths=None) -> str:
     return s
 
 
+def describe_sparsity(s, layer_idx: int) -> str:
+    """One layer's sparsity as `inspect` prints it, e.g. "quest 25% (pages of 4, shared by layers, unread means)"."""
+    if s.method == "none":
+        return "none"
+    if layer_idx < s.dense_layers:
+        return f"none (dense below layer {s.dense_layers})"
+    extras = [f"pages of {s.page_size}"] if s.method == "quest" else []
+    extras += [f"shared by {s.budget_sharing}"] * (s.budget_sharing != "none")
+    extras += ["unread means"] * s.unread_means + [f"{s.sinks} sinks"] * bool(s.sinks)
+    extras += [f"recent {s.recent}"] * bool(s.recent) + ["merge"] * s.merge
+    budget = f"{s.budget} tok" if s.budget else f"{s.ratio:.0%}"
+    return f"{s.method} {budget}" + (f" ({', '.join(extras)})" if extras else "")
+
+
 def layer_rows(cfg: KVCompressConfig) -> list[dict]:
     rows = []
     for i, p in enumerate(cfg.layers):
-        sparsity = "none" if p.sparsity.method == "none" else (
-            f"{p.sparsity.method} " + (f"{p.sparsity.budget} tok" if p.sparsity.budget else f"{p.sparsity.ratio:.0%}"))
+        sparsity = describe_sparsity(p.sparsity, i)
         calibrated = sorted(k for k in p.tensors)
         rows.append({
             "layer": i,
