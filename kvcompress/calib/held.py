@@ -59,11 +59,10 @@ def sparsity_state_bytes(policy: LayerPolicy, layer_idx: int, context: int, num_
     rows = batch * num_heads
     if s.method == "quest":
         pages, filling = divmod(context, s.page_size)
-        widths = 2 * key_dim, key_dim  # (bfloat16 per page, float32 per filling token): min + max, keys
-        if s.unread_means:
-            dv = key_dim if value_dim is None else value_dim
-            widths = widths[0] + dv, widths[1] + dv
-        return rows * (pages * widths[0] * 2 + filling * widths[1] * 4)
+        means = (key_dim if value_dim is None else value_dim) if s.unread_means else 0
+        per_page = 2 * key_dim + means  # bfloat16: min, max and the mean value
+        per_filling = key_dim + means  # float32 keys (and values) of the page still filling
+        return rows * (pages * per_page * 2 + filling * per_filling * 4)
     held = held_tokens(policy, layer_idx, context)
     per_token = POSITION_BYTES if held < context else 0
     if s.method == "h2o":

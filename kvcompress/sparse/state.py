@@ -153,25 +153,15 @@ class SparseState:
     def _summarize(self, new_keys: torch.Tensor, new_values: torch.Tensor | None) -> None:
         """Append min/max summaries of each page that completes (and its mean value, when new_values is
         given); keep the partial page's keys (and values)."""
-        p = self.policy.page_size
-        k = new_keys.float()
-        if self.pending_keys is not None:
-            k = torch.cat([self.pending_keys, k], 2)
-        n = (k.shape[2] // p) * p
-        if n:
-            pages = k[:, :, :n].reshape(*k.shape[:2], n // p, p, k.shape[3])  # [B, H, n_pages, P, D]
+        pages, self.pending_keys = complete_pages(self.pending_keys, new_keys, self.policy.page_size)
+        if pages is not None:
             mn, mx = bf16_outward(pages.amin(3), down=True), bf16_outward(pages.amax(3), down=False)
-            self.page_min = mn if self.page_min is None else torch.cat([self.page_min, mn], 2)
-            self.page_max = mx if self.page_max is None else torch.cat([self.page_max, mx], 2)
-        self.pending_keys = k[:, :, n:].clone()
+            self.page_min = append_pages(self.page_min, mn)
+            self.page_max = append_pages(self.page_max, mx)
         if new_values is not None:
-            v = new_values.float()
-            if self.pending_values is not None:
-                v = torch.cat([self.pending_values, v], 2)
-            if n:
-                means = v[:, :, :n].reshape(*v.shape[:2], n // p, p, v.shape[3]).mean(3).to(torch.bfloat16)
-                self.page_means = means if self.page_means is None else torch.cat([self.page_means, means], 2)
-            self.pending_values = v[:, :, n:].clone()
+            pages, self.pending_values = complete_pages(self.pending_values, new_values, self.policy.page_size)
+            if pages is not None:
+                self.page_means = append_pages(self.page_means, pages.mean(3).to(torch.bfloat16))
 
     # -- batch edits and accounting ----------------------------------------------------------
     def map_batch(self, fn) -> None:
@@ -186,6 +176,20 @@ class SparseState:
         names = ("pos", "scores", "log_size", "page_min", "page_max", "page_means", "pending_keys",
                  "pending_values")
         return [getattr(self, n) for n in names if getattr(self, n) is not None]
+
+
+def complete_pages(pending: torch.Tensor | None, new: torch.Tensor, p: int):
+    """The tokens waiting for their page (pending [B, H, w, D] float32, or None) and new ones [B, H, q, D] ->
+    (the pages they complete [B, H, n, P, D] float32, or None; the tokens still waiting)."""
+    x = new.float() if pending is None else torch.cat([pending, new.float()], 2)
+    n = x.shape[2] // p * p
+    pages = x[:, :, :n].reshape(*x.shape[:2], n // p, p, x.shape[3]) if n else None
+    return pages, x[:, :, n:].clone()
+
+
+def append_pages(held: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
+    """Per-page summaries [B, H, pages, D] with new ones appended along the pages."""
+    return new if held is None else torch.cat([held, new], 2)
 
 
 def bf16_outward(x: torch.Tensor, down: bool) -> torch.Tensor:

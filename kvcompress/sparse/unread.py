@@ -11,10 +11,10 @@ exp(q.centre) under-counts a page whose keys spread along q (Jensen), and the me
 page's own tokens would share its weight; both errors are confined to pages the estimate ranked low.
 SmolLM2-135M, `quest-25` (pages of 4, a quarter of the context read), 4 windows of 1024 tokens of eval.txt:
 +1.745 % perplexity and KL 1.02e-2 skipping the pages, +0.088 % and 6.37e-3 with their means (calib.txt:
-+0.935 % and 8.30e-3, +0.120 % and 4.89e-3). Adding the
-box's variance to the logit (1/2 sum_i (s q_i)^2 half_width_i^2 / 3) over-counts: +2.31 %. The exact
-log-sum-exp of a page's logits with the mean value gave +1.10 % on the first window (-0.56 % with the
-centre): a page's mass without where it goes within the page does not help.
++0.935 % and 8.30e-3, +0.120 % and 4.89e-3). Adding the box's variance to the logit
+(1/2 sum_i (s q_i)^2 half_width_i^2 / 3) over-counts: +2.31 %. The exact log-sum-exp of a page's logits
+with the mean value gave +1.10 % on the first window (-0.56 % with the centre): a page's mass without
+where it goes within the page does not help.
 
 Pages that hold padding in any slot are skipped as before (their means would mix padding in), so a padded
 row whose padding is whole pages attends as it would alone. The fused kernel does not read the page means:
@@ -22,6 +22,8 @@ a layer with `unread_means` decodes through the torch attention (kvcompress.kern
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -45,6 +47,5 @@ def unread_tokens(state, step) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     real = step.mask[:, :, -1, : n_pages * p].reshape(b, h, n_pages, p).all(-1)
     skipped = real & ~read[..., :n_pages]
     centre = (state.page_min.float() + state.page_max.float()) / 2
-    log_p = torch.log(torch.tensor(float(p), device=centre.device))
-    bias = torch.where(skipped, log_p, torch.tensor(float("-inf"), device=centre.device))
+    bias = torch.where(skipped, math.log(p), float("-inf"))
     return centre, state.page_means.float(), bias
