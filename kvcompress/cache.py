@@ -48,6 +48,9 @@ class CompressedLayer(CacheLayerMixin):
         self.cumulative_length = 0  # tokens seen (positions), may exceed what is held after eviction
         self.sparse = None  # a kvcompress.sparse SparseState when the policy has sparsity
         self.static = None  # a kvcompress.graph StaticLayer while a DecodeGraph holds this layer
+        # an H2O layer with per-kv-head budgets: the tokens each head kept, packed (kvcompress.sparse.ragged);
+        # the held tokens are its padded view, then the tail
+        self.ragged = None
         # MLA: the absorbed attention reads the latent update() returns, so update() must always return it
         # (the fused GQA path, which defers it, does not serve these layers)
         self.mla_latent = False
@@ -113,7 +116,7 @@ class CompressedLayer(CacheLayerMixin):
             # Lossless: exactly what transformers' DynamicLayer does.
             self.tail_k = torch.cat([self.tail_k, key_states], dim=-2)
             self.tail_v = torch.cat([self.tail_v, value_states], dim=-2)
-            k, v = self.tail_k, self.tail_v
+            k, v = self.dense()
         else:
             self.append(key_states, value_states)
             # a fused step reads the packed parts itself: the new tokens are only a placeholder
@@ -158,7 +161,10 @@ class CompressedLayer(CacheLayerMixin):
     def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The held tokens decoded: K [B, H, held, Dk], V [B, H, held, Dv] in the model dtype."""
         if not self.compressed:
-            return self.tail_k, self.tail_v
+            if self.ragged is None:
+                return self.tail_k, self.tail_v
+            k, v = self.ragged.padded()  # per-kv-head budgets: rebuilt for the step, freed after it
+            return torch.cat([k, self.tail_k], 2), torch.cat([v, self.tail_v], 2)
         ks = [self.sink_k, self.key_store.decode(self.dtype), self.tail_k]
         vs = [self.sink_v, self.value_store.decode(self.dtype), self.tail_v]
         return torch.cat([k for k in ks if k is not None], 2), torch.cat([v for v in vs if v is not None], 2)
@@ -168,7 +174,8 @@ class CompressedLayer(CacheLayerMixin):
     def held_tokens(self) -> int:
         if not self.is_initialized:
             return 0
-        return self.sink_k.shape[2] + self.key_store.n_tokens + self.tail_k.shape[2]
+        ragged = self.ragged.width if self.ragged is not None else 0
+        return self.sink_k.shape[2] + self.key_store.n_tokens + ragged + self.tail_k.shape[2]
 
     def get_seq_length(self, *args) -> int:
         return self.cumulative_length
@@ -187,6 +194,7 @@ class CompressedLayer(CacheLayerMixin):
     # -- editing ---------------------------------------------------------------------------
     def reset(self) -> None:
         self.static = None
+        self.ragged = None
         self.is_initialized = False
         self.cumulative_length = 0
         if self.sparse is not None:
@@ -238,6 +246,8 @@ class CompressedLayer(CacheLayerMixin):
             self.static.release()
         self.sink_k, self.sink_v = fn(self.sink_k), fn(self.sink_v)
         self.tail_k, self.tail_v = fn(self.tail_k), fn(self.tail_v)
+        if self.ragged is not None:
+            self.ragged = self.ragged.map_batch(fn)
         self.key_store.map_batch(fn)
         self.value_store.map_batch(fn)
         if self.sparse is not None:
@@ -267,12 +277,18 @@ class CompressedLayer(CacheLayerMixin):
                  (self.sink_k, self.sink_v, self.tail_k, self.tail_v)]
         for store in (self.key_store, self.value_store):
             parts += [(t, role) for _, t, role in store.tensors()]
+        if self.ragged is not None:
+            k, v, counts = self.ragged.tensors()
+            parts += [(k, Role.PAYLOAD), (v, Role.PAYLOAD), (counts, Role.METADATA)]
         if self.sparse is not None:
             parts += [(t, Role.METADATA) for t in self.sparse.tensors()]
         b, h = self.tail_k.shape[:2]
         elems_per_token = b * h * (self.tail_k.shape[-1] + self.tail_v.shape[-1])
+        held = self.held_tokens
+        if self.ragged is not None:  # per-kv-head budgets: what a head holds on average, not the largest head
+            held = round(float(self.ragged.counts.float().mean())) + self.tail_k.shape[2]
         return layer_memory_from_tensors(
-            self.layer_idx, parts, tokens_held=self.held_tokens, tokens_seen=self.cumulative_length,
+            self.layer_idx, parts, tokens_held=held, tokens_seen=self.cumulative_length,
             elements_per_token=elems_per_token, dtype=self.dtype,
         )
 

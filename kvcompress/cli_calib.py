@@ -66,6 +66,9 @@ def _fail(e: Exception):
               help="With a budget: offer keys on calibrated bits per channel (less loss at equal bits; "
                    "read by the general fused kernel, slower on a GPU than the nuq layers' phase kernel).")
 @click.option("--preset", "-p", default="nuq4", show_default=True, help="Base preset to calibrate (without a budget).")
+@click.option("--head-budgets/--no-head-budgets", default=None,
+              help="Per-kv-head H2O budgets from the model's attention (default: for every full-precision H2O "
+                   "layer of the preset, e.g. -p h2o-25).")
 @click.option("--per-head/--per-layer", default=True, show_default=True, help="One codebook per kv head or per layer.")
 @click.option("--weighting", type=click.Choice(["attention", "none"]), default="none", show_default=True,
               help="Weight the codebook fit by the attention each element gets (attention) or not (none).")
@@ -78,7 +81,7 @@ def _fail(e: Exception):
 @click.option("--progress/--no-progress", default=True, show_default=True)
 def calibrate(model, out, text, samples, seq_len, batch_size, target_bits, memory_budget, budget_context,
               budget_batch, preset, per_head, weighting, device, progress, load_in_4bit=False, load_in_8bit=False,
-              fp8_shift=FP8_SHIFT_DEFAULT, dtype="auto", keep_ratios=None, key_widths=True):
+              fp8_shift=FP8_SHIFT_DEFAULT, dtype="auto", keep_ratios=None, key_widths=True, head_budgets=None):
     """Fit codebooks, key statistics, outlier thresholds and FP8 scales (and per-layer bits) for MODEL."""
     from kvcompress.calib.calibrate import CalibrationSettings
     from kvcompress.calib.calibrate import calibrate as run
@@ -96,6 +99,7 @@ def calibrate(model, out, text, samples, seq_len, batch_size, target_bits, memor
             memory_budget=parse_budget(memory_budget) if memory_budget else None,
             context=parse_count(budget_context), batch=budget_batch, per_head=per_head, weighting=weighting,
             fp8_shift=fp8_shift, keep_ratios=_ratios(keep_ratios), key_widths=key_widths,
+            head_budgets=head_budgets,
         )
         m, tok = load_model_or_exit(model, device, load_in_4bit, load_in_8bit, dtype)
         cfg = run(m, tok, text_str, settings, progress=progress, log=click.echo)

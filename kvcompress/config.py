@@ -177,7 +177,10 @@ class SparsitySpec:
     token into its most similar kept one instead of dropping it (kvcompress.sparse.merge). unread_means
     (Quest): each page a step does not read still takes part in the attention as one token standing for its
     page: the centre of its key box, the mean of its values, weighted by its token count
-    (kvcompress.sparse.unread); it keeps a mean value per page beside the key summaries.
+    (kvcompress.sparse.unread); it keeps a mean value per page beside the key summaries. head_shares (H2O,
+    full-precision layers): one factor per kv head, head h keeping ceil(head_shares[h] x the budget) tokens
+    (a mean of 1 keeps the layer's total at the budget), held packed (kvcompress.sparse.ragged); empty: every
+    head the budget. `kvcompress calibrate` fits them from the model's attention (kvcompress.calib.head_budgets).
     """
 
     method: str = "none"
@@ -192,6 +195,7 @@ class SparsitySpec:
     budget_sharing: str = "none"
     merge: bool = False
     unread_means: bool = False
+    head_shares: list[float] = field(default_factory=list)
 
     def __post_init__(self):
         if self.method not in SPARSITY_METHODS:
@@ -220,6 +224,16 @@ class SparsitySpec:
             raise ConfigError(
                 f"unread_means stands in for the pages Quest does not read, not for {self.method!r}'s "
                 f"evicted tokens (H2O can merge them: merge=True); drop unread_means=True")
+        if self.head_shares:
+            self.head_shares = [float(x) for x in self.head_shares]
+            if self.method != "h2o":
+                raise ConfigError(f"head_shares apply to H2O's per-kv-head budgets, not to {self.method!r}; drop "
+                                  f"head_shares")
+            if self.merge:
+                raise ConfigError("head_shares and merge=True cannot be combined (a merge keeps one count for "
+                                  "every head); use one of them")
+            if not all(0.0 < x < float("inf") for x in self.head_shares):
+                raise ConfigError(f"head_shares must be positive and finite; got {self.head_shares}")
         if self.budget_sharing != "none" and self.method != "quest":
             raise ConfigError(f"budget_sharing applies to Quest's page selection, not to {self.method!r}; drop "
                               f"budget_sharing={self.budget_sharing!r}")
@@ -259,6 +273,11 @@ class LayerPolicy:
                 "H2O merge needs full-precision keys and values (a merged token cannot enter a quantized "
                 "page without re-quantizing it); use merge=False with quantization, or merge without it"
             )
+        if self.sparsity.head_shares and not (self.key.is_lossless and self.value.is_lossless):
+            raise ConfigError(
+                "H2O head_shares need full-precision keys and values (quantized pages are stored for every kv "
+                "head at once, so heads cannot keep different counts); drop head_shares with quantization"
+            )
         for name in self.tensors:
             stream, _, tname = name.partition(".")
             if stream not in ("key", "value") or tname not in STREAM_TENSORS:
@@ -291,6 +310,12 @@ class KVCompressConfig:
         for i, policy in enumerate(self.layers):
             policy.key.check_head_dim(self.layout.key_head_dim, f"layer {i} keys ({self.name})")
             policy.value.check_head_dim(self.layout.value_head_dim, f"layer {i} values ({self.name})")
+            shares = policy.sparsity.head_shares
+            if shares and len(shares) != self.layout.num_kv_heads:
+                raise ConfigError(
+                    f"layer {i} ({self.name}): {len(shares)} head_shares for a model with "
+                    f"{self.layout.num_kv_heads} kv heads per layer; give one share per kv head"
+                )
 
     # -- presets ----------------------------------------------------------------------------
     @classmethod

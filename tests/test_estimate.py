@@ -97,6 +97,7 @@ SPARSE_CASES = {
                       value=QuantSpec("nuq", bits=4, axis="token", outlier_fraction=0.02), page_size=8, sinks=4),
                  SparsitySpec("h2o", budget=48, page_size=8)),
     "h2o-merge": (dict(), SparsitySpec("h2o", budget=40, page_size=8, sinks=4, merge=True)),
+    "h2o-heads": (dict(), SparsitySpec("h2o", ratio=0.25, page_size=8, sinks=4, head_shares=[0.5, 1.5])),
     "streaming": (dict(), SparsitySpec("streaming", budget=40, sinks=4, page_size=8)),
     "quest": (dict(), SparsitySpec("quest", budget=32, page_size=8, dense_layers=1)),
     "quest-means": (dict(), SparsitySpec("quest", budget=32, page_size=8, dense_layers=1, unread_means=True)),

@@ -13,7 +13,8 @@ chosen by the allocation so the all-in bits per element at `context` tokens meet
 least total sensitivity (calib/mixed.py): each stream's expected KL divergence, its probe's attention
 error weighted by the Fisher information of the attention output (calib/fisher.py, calib/sensitivity.py);
 with `keep_ratios` a layer may also evict with H2O, keeping that ratio of its tokens. Every stream gets
-static FP8 scales, so any config can be exported.
+static FP8 scales, so any config can be exported. A base preset with full-precision H2O layers (h2o-25,
+h2o-50, ...) gets per-kv-head budgets fitted on `head_windows` of the windows (calib/head_budgets.py).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from kvcompress.calib.bits import uncompressed_layer_bytes
 from kvcompress.calib.candidates import LayerFits, with_fp8_scales
 from kvcompress.calib.collect import CollectSettings, calibration_windows, collect
 from kvcompress.calib.fisher import output_fisher
+from kvcompress.calib.head_budgets import fit_head_shares, sparse_h2o_layers
 from kvcompress.calib.mixed import mixed_layers
 from kvcompress.calib.value_choice import choose_values
 from kvcompress.config import FP8_SHIFT_DEFAULT, FP8_SHIFTS, ConfigError, KVCompressConfig, LayerPolicy
@@ -68,6 +70,10 @@ class CalibrationSettings:
     # 41 % on SmolLM2, but only the general fused kernel reads them (several times slower than bf16 on a GPU,
     # BENCHMARKS.md); without them every nuq layer stays on the phase kernel
     key_widths: bool = True
+    # per-kv-head H2O budgets (SparsitySpec.head_shares): None fits them where the config has full-precision
+    # H2O layers, True requires such layers, False never fits them
+    head_budgets: bool | None = None
+    head_windows: int = 8  # calibration windows the head budgets replay (about 6 s each for SmolLM2 at 1024)
 
     def __post_init__(self):
         if self.target_bits is not None and self.memory_budget is not None:
@@ -86,6 +92,8 @@ class CalibrationSettings:
                               "--memory-budget with them")
         if self.preset not in preset_names():  # before minutes of collection, not after
             raise ConfigError(f"unknown preset {self.preset!r} to calibrate; available: {', '.join(preset_names())}")
+        if self.head_windows < 1:
+            raise ConfigError(f"head_windows must be >= 1, got {self.head_windows}")
         if self.fp8_shift not in FP8_SHIFTS:
             raise ConfigError(f"fp8_shift must be one of {', '.join(FP8_SHIFTS)}, got {self.fp8_shift!r}")
 
@@ -149,6 +157,12 @@ def calibrate(model, tokenizer, text: str, settings: CalibrationSettings | None 
         }
     }
     cfg = config_from_stats(stats, layout, dtype, settings, notes, progress)
+    if settings.head_budgets or (settings.head_budgets is None and sparse_h2o_layers(cfg)):
+        t0 = time.perf_counter()
+        # windows spread over the text, not its first few (the collection's windows overlap on a short text)
+        spread = torch.linspace(0, windows.shape[0] - 1, min(settings.head_windows, windows.shape[0])).round().long()
+        cfg, cfg.notes["head_budgets"] = fit_head_shares(model, windows[spread], cfg, log)
+        cfg.notes["calibration"]["seconds"]["head_budgets"] = round(time.perf_counter() - t0, 1)
     cfg.notes["calibration"]["seconds"]["total"] = round(time.perf_counter() - start, 1)
     log(f"calibrated in {time.perf_counter() - start:.0f} s")
     return cfg

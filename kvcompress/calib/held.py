@@ -11,7 +11,10 @@ calibration's budget), per kv head of one sequence:
 - Quest evicts nothing: it holds every token, plus bfloat16 min / max key summaries per page of its own
   and the float32 keys of the page still filling; with `unread_means` also a bfloat16 mean value per page
   and the float32 values of the page still filling.
-Layers below `dense_layers` (Quest's dense first layers) hold everything.
+Layers below `dense_layers` (Quest's dense first layers) hold everything. H2O with `head_shares` holds each
+kv head's own budget (ceil(share x budget) + one page), packed (kvcompress.sparse.ragged): the tokens count
+as their mean over the heads, rounded up; positions and scores stay padded to the largest head, plus an
+int64 count per kv head.
 
 Beside the tokens, an evicting layer keeps each held token's position (int32) and H2O its accumulated
 attention (float32; a merged token also its log size), as the memory report counts them.
@@ -25,6 +28,7 @@ from kvcompress.config import LayerPolicy
 
 POSITION_BYTES = 4  # int32 positions of the held tokens once a layer has evicted (sparse.state)
 SCORE_BYTES = 4  # float32 accumulated attention per held token (H2O), and log size per merged token
+COUNT_BYTES = 8  # int64 tokens kept per kv head of a layer with head_shares (sparse.ragged)
 
 
 def is_sparse_here(policy: LayerPolicy, layer_idx: int) -> bool:
@@ -38,15 +42,23 @@ def token_budget(policy: LayerPolicy, context: int) -> int:
 
 
 def held_tokens(policy: LayerPolicy, layer_idx: int, context: int) -> int:
-    """Tokens held per kv head after `context` tokens, at most."""
+    """Tokens held per kv head after `context` tokens, at most (with head_shares: the heads' mean)."""
+    per_head = head_held(policy, layer_idx, context)
+    return math.ceil(sum(per_head) / len(per_head))
+
+
+def head_held(policy: LayerPolicy, layer_idx: int, context: int) -> list[int]:
+    """Tokens each kv head holds after `context` tokens, at most: one entry for all of them, or one per
+    head with head_shares."""
     if not is_sparse_here(policy, layer_idx) or policy.sparsity.method == "quest":
-        return context
+        return [context]
     budget = token_budget(policy, context)
     if policy.sparsity.method == "snapkv":
-        return min(context, budget)
+        return [min(context, budget)]
     quantized = not (policy.key.is_lossless and policy.value.is_lossless)
     slack = 2 * policy.page_size if quantized else policy.sparsity.page_size
-    return min(context, budget + slack)
+    shares = policy.sparsity.head_shares or [1.0]
+    return [min(context, max(1, math.ceil(x * budget)) + slack) for x in shares]
 
 
 def sparsity_state_bytes(policy: LayerPolicy, layer_idx: int, context: int, num_heads: int, key_dim: int,
@@ -63,8 +75,9 @@ def sparsity_state_bytes(policy: LayerPolicy, layer_idx: int, context: int, num_
         per_page = 2 * key_dim + means  # bfloat16: min, max and the mean value
         per_filling = key_dim + means  # float32 keys (and values) of the page still filling
         return rows * (pages * per_page * 2 + filling * per_filling * 4)
-    held = held_tokens(policy, layer_idx, context)
+    held = max(head_held(policy, layer_idx, context))  # positions and scores: padded to the largest head
     per_token = POSITION_BYTES if held < context else 0
     if s.method == "h2o":
         per_token += SCORE_BYTES * (2 if s.merge else 1)
-    return rows * held * per_token
+    counts = rows * COUNT_BYTES if s.head_shares else 0
+    return rows * held * per_token + counts

@@ -28,15 +28,27 @@ def describe_spec(spec: QuantSpec, widths=None) -> str:
 
 
 def describe_sparsity(s, layer_idx: int) -> str:
-    """One layer's sparsity as `inspect` prints it, e.g. "quest 25% (pages of 4, shared by layers, unread means)"."""
+    """One layer's sparsity as `inspect` prints it, e.g. "quest 25% (pages of 4, shared by layers, unread means)",
+    "h2o 25% (4 sinks, kv heads x 0.40/1.10/1.50)" (each kv head's share of the budget)."""
     if s.method == "none":
         return "none"
     if layer_idx < s.dense_layers:
         return f"none (dense below layer {s.dense_layers})"
-    extras = [f"pages of {s.page_size}"] if s.method == "quest" else []
-    extras += [f"shared by {s.budget_sharing}"] * (s.budget_sharing != "none")
-    extras += ["unread means"] * s.unread_means + [f"{s.sinks} sinks"] * bool(s.sinks)
-    extras += [f"recent {s.recent}"] * bool(s.recent) + ["merge"] * s.merge
+    extras = []
+    if s.method == "quest":
+        extras.append(f"pages of {s.page_size}")
+    if s.budget_sharing != "none":
+        extras.append(f"shared by {s.budget_sharing}")
+    if s.unread_means:
+        extras.append("unread means")
+    if s.sinks:
+        extras.append(f"{s.sinks} sinks")
+    if s.recent:
+        extras.append(f"recent {s.recent}")
+    if s.merge:
+        extras.append("merge")
+    if s.head_shares:
+        extras.append("kv heads x " + "/".join(f"{x:.2f}" for x in s.head_shares))
     budget = f"{s.budget} tok" if s.budget else f"{s.ratio:.0%}"
     return f"{s.method} {budget}" + (f" ({', '.join(extras)})" if extras else "")
 

@@ -19,7 +19,7 @@ def _num(x, fmt: str, suffix: str = "") -> str:
 
 
 def _count(x) -> str:
-    return "n/a" if x is None else f"{x:g}" if isinstance(x, float) else str(x)
+    return "n/a" if x is None else f"{x:.1f}".removesuffix(".0") if isinstance(x, float) else str(x)
 
 
 def _delta(r: dict) -> str:

@@ -6,11 +6,14 @@ budget, and evicts during decoding as well as after prefill: after prefill it co
 while decoding it lets the layer grow by up to `page_size` tokens, then compacts again, so memory
 held stays bounded however many tokens are generated (evicted slots are freed, not masked).
 With `sinks`, the first real tokens are always kept; with `merge`, evicted tokens are folded into the kept
-ones (kvcompress.sparse.merge) instead of dropped.
+ones (kvcompress.sparse.merge) instead of dropped. With `head_shares` each kv head keeps its own share of the
+budget (its recent window half of its own budget) and the layer holds each head's tokens packed
+(kvcompress.sparse.ragged).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +21,7 @@ import torch
 from kvcompress.config import ConfigError, SparsitySpec
 from kvcompress.sparse.base import SparsePolicy, evict_rows, newest_real, sink_mask
 from kvcompress.sparse.merge import merge_compact
+from kvcompress.sparse.ragged import evict_heads
 
 
 @dataclass
@@ -27,6 +31,7 @@ class H2OPolicy(SparsePolicy):
     recent: int = 0
     sinks: int = 0
     merge: bool = False
+    head_shares: tuple[float, ...] = ()
 
     def __post_init__(self):
         super().__post_init__()
@@ -36,9 +41,9 @@ class H2OPolicy(SparsePolicy):
             )
 
     @classmethod
-    def from_spec(cls, spec: SparsitySpec) -> "H2OPolicy":
+    def from_spec(cls, spec: SparsitySpec) -> H2OPolicy:
         return cls(budget=spec.budget, ratio=spec.ratio, page_size=spec.page_size, recent=spec.recent,
-                   sinks=spec.sinks, merge=spec.merge)
+                   sinks=spec.sinks, merge=spec.merge, head_shares=tuple(spec.head_shares))
 
     def recent_window(self, budget: int) -> int:
         return min(self.recent, budget) if self.recent else budget // 2
@@ -52,9 +57,15 @@ class H2OPolicy(SparsePolicy):
         old = state.scores if state.scores is not None else mass.new_zeros(mass.shape[:2] + (held - q,))
         state.scores = torch.cat([old, old.new_zeros(old.shape[:2] + (q,))], dim=2) + mass.float()
         slack = 0 if q > 1 else (self.page_size if not layer.compressed else layer.key_store.page_size)
-        if held <= self.token_budget(state.least_seen(layer.cumulative_length)) + slack:
-            return  # no row can be over its budget (the smallest is at least this)
+        least = self.token_budget(state.least_seen(layer.cumulative_length))
+        if self.head_shares:  # the smallest head's budget
+            least = max(1, math.ceil(min(self.head_shares) * least))
+        if held <= least + slack:
+            return  # no row (or head) can be over its budget (the smallest is at least this)
         budgets = self.row_budgets(state.seen_rows(layer.cumulative_length, valid))  # [B]: what each row alone would get
+        if self.head_shares:
+            self._evict_heads(layer, state, valid, self._head_budgets(budgets).to(valid.device), slack)
+            return
         window = budgets.clamp(max=self.recent) if self.recent else budgets // 2
         forced = newest_real(valid, window)
         if self.sinks:
@@ -65,3 +76,21 @@ class H2OPolicy(SparsePolicy):
                 "use merge=False here"
             )
         evict_rows(layer, state, state.scores, forced, valid, budgets, slack, merge_compact if self.merge else None)
+
+    def _head_budgets(self, budgets: torch.Tensor) -> torch.Tensor:
+        """[B] layer budgets -> [B, H] each kv head's (ceil of its share, at least 1)."""
+        shares = torch.tensor(self.head_shares, dtype=torch.float64, device=budgets.device)
+        return torch.ceil(shares * budgets[:, None].double()).long().clamp_min(1)
+
+    def _evict_heads(self, layer, state, valid, budgets, slack):
+        if layer.compressed or getattr(layer, "mla_latent", False):  # LayerPolicy refuses quantized layers
+            raise ConfigError(f"layer {layer.layer_idx}: H2O head_shares need a full-precision GQA layer")
+        if budgets.shape[1] != valid.shape[1]:
+            raise ConfigError(f"layer {layer.layer_idx}: {budgets.shape[1]} head_shares for {valid.shape[1]} kv "
+                              "heads; give one share per kv head")
+        window = budgets.clamp(max=self.recent) if self.recent else budgets // 2  # [B, H]
+        from_end = valid.flip(-1).long().cumsum(-1).flip(-1)  # real tokens at or after each slot
+        forced = valid & (from_end <= window[..., None])
+        if self.sinks:
+            forced |= sink_mask(valid, self.sinks)
+        evict_heads(layer, state, state.scores, forced, valid, budgets, slack)

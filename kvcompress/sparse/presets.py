@@ -2,6 +2,8 @@
 
 - streaming: StreamingLLM, 4 sinks + the newest 1020 tokens.
 - h2o-20 / h2o-50: H2O keeping 20% / 50% of the context, half heavy hitters, half recent window.
+- h2o-25: H2O keeping 25% of the context with 4 sinks: the base that `kvcompress calibrate -p h2o-25` gives
+  per-kv-head budgets (head_shares, kvcompress.calib.head_budgets).
 - h2o-merge-50: h2o-50 with 4 sinks always kept and each evicted token merged into its most similar kept
   token (means weighted by the attention each token received, log-size attention bias;
   kvcompress.sparse.merge) instead of dropped; full-precision layers only. SmolLM2-135M, 8 windows of 1024
@@ -91,6 +93,7 @@ SNAPKV_50 = SparsitySpec(method="snapkv", ratio=0.5, observation_window=64, pool
 register_preset("streaming", _sparse(STREAMING))
 register_preset("h2o-20", _sparse(h2o(0.2)))
 register_preset("h2o-50", _sparse(h2o(0.5)))
+register_preset("h2o-25", _sparse(replace(h2o(0.25), sinks=4)))
 register_preset("h2o-merge-50", _sparse(replace(h2o(0.5), sinks=4, merge=True)))
 register_preset("snapkv-50", _sparse(SNAPKV_50))
 for _n in (512, 1024, 2048):

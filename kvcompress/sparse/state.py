@@ -81,7 +81,7 @@ class SparseState:
     def tokens_read(self) -> float:
         """Tokens per (row, kv head) the last step read, on average (0 before any step)."""
         if self.read_index is None:
-            return self.read_held
+            return float(self.read_held)  # a host int, or a device scalar (per-kv-head budgets' mean count)
         if getattr(self.policy, "pads_selection", False):
             return float((self.read_index >= 0).sum(-1).float().mean())
         return self.read_index.shape[-1]

@@ -1,0 +1,86 @@
+"""Per-kv-head budgets held for real: each (row, kv head) keeps its own number of tokens, packed.
+
+With `SparsitySpec.head_shares` an H2O layer's kv heads keep different numbers of tokens (a calibrated
+head that spreads its attention keeps more than one that reads a few tokens). Padding every head to the
+largest count would hold the difference as dead slots; here the full-precision tokens each (row, kv head)
+keeps after an eviction are packed back to back (`RaggedHeads`): K [M, Dk], V [M, Dv] with M the sum of
+the kept counts, and the counts [B, H]. The tokens that arrive until the next eviction (at most the
+policy's slack) join the layer's ordinary tail [B, H, n, D], where every head has the same count.
+
+Attention reads the padded view [B, H, width, D] (`padded`, each head's tokens first, zeros after),
+rebuilt for each step and freed after it, as a Quest step's gathered tokens are; the layer's SparseState
+keeps `pos` / `scores` in that padded order, the slots past a head's count dead (position -1).
+
+Hand-rolled rather than torch.nested: a boolean mask over [B, H, width] packs and unpacks in one indexing
+op each, on any device and dtype, and the rest of the layer keeps plain tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvcompress.sparse.base import gather_tokens, keep_key
+
+
+class RaggedHeads:
+    """The tokens each (row, kv head) keeps, packed: keys [M, Dk], values [M, Dv], counts [B, H]."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, counts: torch.Tensor):
+        """keys / values: [B, H, width, D] with each head's counts[b, h] tokens first (the rest ignored)."""
+        self.shape = tuple(keys.shape[:3])
+        self.counts = counts
+        live = self.live()
+        self.keys, self.values = keys[live], values[live]  # boolean indexing copies: the padded input is freed
+
+    @property
+    def width(self) -> int:
+        """Slots per (row, kv head) of the padded view: the largest count."""
+        return self.shape[2]
+
+    def live(self) -> torch.Tensor:
+        """[B, H, width] True on each head's kept tokens."""
+        return torch.arange(self.width, device=self.counts.device) < self.counts[..., None]
+
+    def padded(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """K [B, H, width, Dk], V [B, H, width, Dv]: each head's tokens first, zeros after."""
+        live = self.live()
+        out = []
+        for x in (self.keys, self.values):
+            full = x.new_zeros(self.shape + x.shape[1:])
+            full[live] = x
+            out.append(full)
+        return out[0], out[1]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.keys, self.values, self.counts]
+
+    def map_batch(self, fn) -> RaggedHeads:
+        """The same rows mapped by fn (reorder, repeat, select, move) over [B, ...] tensors."""
+        k, v = self.padded()
+        return RaggedHeads(fn(k), fn(v), fn(self.counts))
+
+
+def evict_heads(layer, state, priority: torch.Tensor, forced: torch.Tensor, valid: torch.Tensor,
+                budgets: torch.Tensor, slack: int) -> None:
+    """Evict each (row, kv head) down to its own budget where its real tokens exceed budget + slack, and pack
+    what every head keeps (RaggedHeads) into `layer.ragged`, the tail emptied.
+
+    priority, forced, valid: [B, H, held] over the layer's padded view (ragged part, then tail);
+    budgets: [B, H] tokens each head may keep.
+    """
+    real = valid.sum(-1)  # [B, H]
+    over = real > budgets + slack
+    if not bool(over.any()):
+        return
+    must = (forced & valid).sum(-1)
+    keep = torch.where(over, torch.maximum(budgets, must), real)  # [B, H]
+    held, width = valid.shape[-1], int(keep.max())
+    order = keep_key(priority, forced, valid).topk(width, dim=-1).indices  # [B, H, width], best first
+    live = torch.arange(width, device=order.device) < keep[..., None]
+    # each head's kept tokens in position order, then its dead slots (pointing at slot 0, masked)
+    idx = torch.where(live, order, held).sort(dim=-1).values.masked_fill(~live, 0)
+    k, v = layer.dense()
+    layer.ragged = RaggedHeads(gather_tokens(k, idx), gather_tokens(v, idx), keep)
+    layer.tail_k, layer.tail_v = k[:, :, :0].clone(), v[:, :, :0].clone()
+    state.gather(idx, held)
+    state.kill(~live)
