@@ -128,6 +128,11 @@ def calibrate(model, tokenizer, text: str, settings: CalibrationSettings | None 
     log = log or (lambda msg: None)
     start = time.perf_counter()
     layout = ModelLayout.from_model_config(model.config)
+    if settings.head_budgets and (settings.has_budget or not sparse_h2o_layers(build_preset(settings.preset, layout))):
+        # before minutes of collection, not after
+        raise ConfigError(f"per-kv-head budgets (--head-budgets) need full-precision H2O layers, and "
+                          f"{'a bits budget quantizes every layer' if settings.has_budget else settings.preset + ' has none'}"
+                          "; calibrate an H2O preset (-p h2o-25, h2o-50) or drop --head-budgets")
     dtype = next(model.parameters()).dtype
     token_ids = tokenizer(text, add_special_tokens=False)["input_ids"] if text.strip() else []
     windows = calibration_windows(token_ids, settings.samples, settings.seq_len)
