@@ -89,6 +89,15 @@ def make_tiny_model(arch: str, seed: int = 0, **overrides):
     return model
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny tensors: one torch thread for the module avoids oversubscribing a shared CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """(model, tokenizer) of the embedded SmolLM2-135M-Instruct, loaded once; tokenizer pads on the left."""

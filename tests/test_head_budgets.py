@@ -32,13 +32,7 @@ from kvcompress.sparse.h2o import H2OPolicy
 from kvcompress.sparse.ragged import evict_heads
 from kvcompress.sparse.state import SparseState
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

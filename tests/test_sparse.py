@@ -441,7 +441,7 @@ def test_sparse_config_without_enable_names_the_fix(model):
 
 
 @pytest.mark.parametrize("preset", ["streaming", "h2o-20", "h2o-merge-50", "snapkv-50", "quest-512",
-                                    "nuq4+h2o-20", "nuq4+quest-1024", "pyramid-h2o-20", "quest-25"])
+                                    "nuq4+h2o-20", "nuq4+quest-1024", "pyramid-h2o-20", "quest-25", "h2o-25"])
 def test_presets_run_and_report_tokens_read(model, preset):
     cache = CompressedCache(model.config, preset)
     with kvcompress.enabled(model):
