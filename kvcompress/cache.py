@@ -286,7 +286,7 @@ class CompressedLayer(CacheLayerMixin):
         elems_per_token = b * h * (self.tail_k.shape[-1] + self.tail_v.shape[-1])
         held = self.held_tokens
         if self.ragged is not None:  # per-kv-head budgets: what a head holds on average, not the largest head
-            held = round(float(self.ragged.counts.float().mean())) + self.tail_k.shape[2]
+            held = round(float(self.ragged.mean_count())) + self.tail_k.shape[2]
         return layer_memory_from_tensors(
             self.layer_idx, parts, tokens_held=held, tokens_seen=self.cumulative_length,
             elements_per_token=elems_per_token, dtype=self.dtype,

@@ -95,10 +95,10 @@ def top_indices(key: torch.Tensor, n_keep: int) -> torch.Tensor:
 
 
 def newest_real(valid: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
-    """[B, H, held] True on the newest n[b] real tokens of each row (n: [B]); in a row without padding or
-    dead slots, the newest n held tokens (recent_mask)."""
+    """[B, H, held] True on the newest n real tokens of each row (n: [B], or [B, H] per kv head); in a row
+    without padding or dead slots, the newest n held tokens (recent_mask)."""
     from_end = valid.flip(-1).long().cumsum(-1).flip(-1)  # real tokens at or after each slot
-    return valid & (from_end <= n[:, None, None])
+    return valid & (from_end <= (n[:, None, None] if n.dim() == 1 else n[..., None]))
 
 
 def recent_mask(held: int, n_recent: int, like: torch.Tensor) -> torch.Tensor:

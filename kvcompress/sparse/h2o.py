@@ -89,8 +89,7 @@ class H2OPolicy(SparsePolicy):
             raise ConfigError(f"layer {layer.layer_idx}: {budgets.shape[1]} head_shares for {valid.shape[1]} kv "
                               "heads; give one share per kv head")
         window = budgets.clamp(max=self.recent) if self.recent else budgets // 2  # [B, H]
-        from_end = valid.flip(-1).long().cumsum(-1).flip(-1)  # real tokens at or after each slot
-        forced = valid & (from_end <= window[..., None])
+        forced = newest_real(valid, window)
         if self.sinks:
             forced |= sink_mask(valid, self.sinks)
         evict_heads(layer, state, state.scores, forced, valid, budgets, slack)

@@ -51,6 +51,10 @@ class RaggedHeads:
             out.append(full)
         return out[0], out[1]
 
+    def mean_count(self) -> torch.Tensor:
+        """Tokens a (row, kv head) keeps on average (a device scalar)."""
+        return self.counts.float().mean()
+
     def tensors(self) -> list[torch.Tensor]:
         return [self.keys, self.values, self.counts]
 

@@ -39,7 +39,7 @@ def finish_sparse_step(layer, mass) -> None:
     held = step.mask.shape[-1]
     state.read_held, state.read_index = held, step.index
     if layer.ragged is not None:  # per-kv-head budgets: the dead slots past each head's tokens hold nothing
-        state.read_held = layer.ragged.counts.float().mean() + layer.tail_k.shape[2]  # read when asked: no sync
+        state.read_held = layer.ragged.mean_count() + layer.tail_k.shape[2]  # read when asked: no sync
     state.read_body = (layer.sink_k.shape[2], layer.key_store.n_tokens) if layer.compressed else (0, held)
     state.policy.after_attention(layer, state, mass, step.mask[:, :, -1, :])
     state.step = None  # drop this step's dense K/V
