@@ -9,8 +9,9 @@ What these tests prove:
 - beam reordering moves each row's packed tokens with it;
 - a config refuses shares where they cannot hold (another method, merge, quantized storage, a head count
   the model does not have) and round-trips them through its file;
-- the replayed eviction cost is zero for a head that reads only its newest token and falls with the budget
-  for a diffuse one; the allocation meets the mean ratio and the floor; `calibrate -p h2o-25` writes shares
+- the replayed eviction costs (attention mass missed, expected KL) are zero for a head that reads only its
+  newest token and fall with the budget for a diffuse one; the KL is zero where the evicted values change
+  nothing or the output does not matter (a zero Fisher) and scales with the Fisher; the allocation meets the mean ratio and the floor; `calibrate -p h2o-25` writes shares
   that generate, and asking for head budgets where there is no full-precision H2O layer is an error.
 """
 
@@ -151,12 +152,34 @@ def test_replayed_cost_of_a_local_and_a_diffuse_head():
     diffuse = torch.ones(t, t).tril()
     diffuse = diffuse / diffuse.sum(-1, keepdim=True)
     ratios = torch.tensor([0.1, 0.25, 0.5, 1.0])
-    cost = replay_costs(torch.stack([local, diffuse]), ratios, torch.zeros(2, dtype=torch.long),
-                        torch.zeros(2, dtype=torch.long))
-    assert torch.equal(cost[0], torch.zeros(4))
-    assert (cost[1, :-1] > 0).all() and cost[1, -1] == 0 and (cost[1].diff() < 0).all()
+    values = torch.randn(2, t, 4, generator=torch.Generator().manual_seed(0))
+    cost = replay_costs(torch.stack([local, diffuse])[:, None], ratios, torch.zeros(2, dtype=torch.long),
+                        torch.zeros(2, dtype=torch.long), values, torch.ones(2, 1, t, 4))
+    for c in (cost.mass, cost.kl):
+        assert torch.allclose(c[0], torch.zeros(4), atol=1e-12)
+        assert (c[1, :-1] > 1e-6).all() and abs(float(c[1, -1])) < 1e-12 and (c[1].diff() < 0).all()
     # uniform attention over t tokens with b kept: it misses about 1 - b / t of it
-    assert abs(float(cost[1, 1]) - 0.75) < 0.05
+    assert abs(float(cost.mass[1, 1]) - 0.75) < 0.05
+
+
+def test_replayed_kl_weighs_what_the_evicted_values_change_and_what_the_output_matters():
+    """The same diffuse attention costs nothing where every token carries the same value or where the
+    model's output does not depend on the head's (a zero Fisher), and the cost scales with the Fisher."""
+    t, d = 48, 4
+    diffuse = torch.ones(t, t).tril()
+    attn = (diffuse / diffuse.sum(-1, keepdim=True))[None, None].expand(3, 2, t, t)  # 3 heads, groups of 2
+    varied = torch.randn(t, d, generator=torch.Generator().manual_seed(1))
+    values = torch.stack([varied[:1].expand(t, d), varied, varied])  # head 0: one value for every token
+    fisher = torch.ones(3, 2, t, d)
+    fisher[1] = 0.0  # head 1's output does not matter
+    fisher[2, 1] = 3.0  # head 2's second query head matters 3x: (1 + 3) / (1 + 1) = 2x the cost of F = 1
+    zeros = torch.zeros(3, dtype=torch.long)
+    cost = replay_costs(attn, torch.tensor([0.25, 0.5]), zeros, zeros, values, fisher)
+    plain = replay_costs(attn[2:], torch.tensor([0.25, 0.5]), zeros[:1], zeros[:1], values[2:], torch.ones(1, 2, t, d))
+    assert torch.allclose(cost.kl[0], torch.zeros(2), atol=1e-9) and torch.equal(cost.kl[1], torch.zeros(2))
+    assert (plain.kl > 0).all()
+    torch.testing.assert_close(cost.kl[2], 2 * plain.kl[0])
+    assert torch.equal(cost.mass[0], cost.mass[2])  # the mass sees none of this
 
 
 def test_allocation_meets_the_mean_and_the_floor():
@@ -186,7 +209,7 @@ def test_calibrate_h2o_preset_writes_shares_that_generate(model, tmp_path):
     assert layers == [0, 1, 2]
     ratios = torch.tensor([[x * 0.25 for x in cfg.layers[i].sparsity.head_shares] for i in layers])
     assert ratios.shape == (3, 2) and abs(float(ratios.mean()) - 0.25) < 0.01
-    assert cfg.notes["head_budgets"]["missed_mass"]["allocated"] <= cfg.notes["head_budgets"]["missed_mass"]["even"]
+    assert cfg.notes["head_budgets"]["expected_kl"]["allocated"] <= cfg.notes["head_budgets"]["expected_kl"]["even"]
     cfg.save(tmp_path / "h.safetensors")
     ids = torch.randint(3, 256, (1, 48), generator=torch.Generator().manual_seed(0))
     with kvcompress.enabled(model):

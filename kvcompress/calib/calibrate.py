@@ -14,7 +14,8 @@ least total sensitivity (calib/mixed.py): each stream's expected KL divergence, 
 error weighted by the Fisher information of the attention output (calib/fisher.py, calib/sensitivity.py);
 with `keep_ratios` a layer may also evict with H2O, keeping that ratio of its tokens. Every stream gets
 static FP8 scales, so any config can be exported. A base preset with full-precision H2O layers (h2o-25,
-h2o-50, ...) gets per-kv-head budgets fitted on `head_windows` of the windows (calib/head_budgets.py).
+h2o-50, ...) gets per-kv-head budgets fitted on `head_windows` of the windows: the least expected KL
+divergence of H2O's replayed evictions for the preset's total of tokens (calib/head_budgets.py).
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ class CalibrationSettings:
     # per-kv-head H2O budgets (SparsitySpec.head_shares): None fits them where the config has full-precision
     # H2O layers, True requires such layers, False never fits them
     head_budgets: bool | None = None
-    head_windows: int = 8  # calibration windows the head budgets replay (about 6 s each for SmolLM2 at 1024)
+    head_windows: int = 8  # calibration windows the head budgets replay (about 15 s each for SmolLM2 at 1024, 2 cores)
 
     def __post_init__(self):
         if self.target_bits is not None and self.memory_budget is not None:
