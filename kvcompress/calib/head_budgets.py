@@ -167,8 +167,8 @@ def eviction_costs(model, windows: torch.Tensor, cfg: KVCompressConfig, layers: 
             sinks = torch.tensor([cfg.layers[i].sparsity.sinks for i in chunk]).repeat_interleave(h)
             recent = torch.tensor([cfg.layers[i].sparsity.recent for i in chunk]).repeat_interleave(h)
             got = replay_costs(attn, grid, sinks, recent, values, f)
-            for name in costs:
-                costs[name][chunk] += getattr(got, name).reshape(len(chunk), h, -1).cpu() / windows.shape[0]
+            for name, total in costs.items():
+                total[chunk] += getattr(got, name).reshape(len(chunk), h, -1).cpu() / windows.shape[0]
             del attn, values, f
     return costs
 
