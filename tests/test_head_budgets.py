@@ -196,7 +196,10 @@ def test_allocation_meets_the_mean_and_the_floor():
 
 
 def test_calibrate_h2o_preset_writes_shares_that_generate(model, tmp_path):
+    from click.testing import CliRunner
+
     from kvcompress.calib.calibrate import CalibrationSettings, calibrate
+    from kvcompress.cli import main
 
     class Tok:
         def __call__(self, text, add_special_tokens=False):
@@ -211,6 +214,10 @@ def test_calibrate_h2o_preset_writes_shares_that_generate(model, tmp_path):
     assert ratios.shape == (3, 2) and abs(float(ratios.mean()) - 0.25) < 0.01
     assert cfg.notes["head_budgets"]["expected_kl"]["allocated"] <= cfg.notes["head_budgets"]["expected_kl"]["even"]
     cfg.save(tmp_path / "h.safetensors")
+    shown = CliRunner().invoke(main, ["inspect", str(tmp_path / "h.safetensors")], env={"COLUMNS": "200"})
+    assert shown.exit_code == 0, shown.output
+    kl = cfg.notes["head_budgets"]["expected_kl"]
+    assert f"expected KL (nats/position) {kl['even']:.4g} -> {kl['allocated']:.4g}" in shown.output
     ids = torch.randint(3, 256, (1, 48), generator=torch.Generator().manual_seed(0))
     with kvcompress.enabled(model):
         _, tokens = greedy(model, CompressedCache(model.config, str(tmp_path / "h.safetensors")), ids, 20)

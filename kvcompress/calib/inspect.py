@@ -70,6 +70,19 @@ def layer_rows(cfg: KVCompressConfig) -> list[dict]:
     return rows
 
 
+def head_budget_line(notes: dict) -> str:
+    """One line on a per-kv-head H2O allocation from its notes (calib/head_budgets.py): the replayed costs with
+    every head at its layer's budget -> as allocated. Files written before the expected KL was measured have
+    only the missed mass."""
+    ratios = [r for row in notes.get("ratios", []) for r in row]
+    n, t = (notes.get("windows") or [0, 0])[:2]
+    costs = [f"{what} {notes[key]['even']:.4g} -> {notes[key]['allocated']:.4g}"
+             for key, what in (("expected_kl", "expected KL (nats/position)"), ("missed_mass", "missed attention mass"))
+             if key in notes]
+    return (f"per-kv-head H2O budgets: {len(notes.get('layers', []))} layers, head ratios {min(ratios, default=0):.3f}-"
+            f"{max(ratios, default=0):.3f}, replayed on {n} x {t} tokens; even -> allocated: " + ", ".join(costs))
+
+
 def print_config(cfg: KVCompressConfig, path: str, show_tensors: bool = False) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -102,6 +115,9 @@ def print_config(cfg: KVCompressConfig, path: str, show_tensors: bool = False) -
     if alloc:
         console.print(f"allocation: {alloc['achieved_bits']:.3f} bits per element all-in at {alloc['context']} tokens "
                       f"(target {alloc['target_bits']:.3f})")
+    heads = cfg.notes.get("head_budgets")
+    if heads:
+        console.print(head_budget_line(heads))
     if show_tensors:
         tt = Table(title="tensors")
         for col in ("name", "shape", "dtype"):
