@@ -72,16 +72,16 @@ class ReplayCosts:
     """What H2O's eviction costs each head at each budget ratio, per decoded position: [N, R] each."""
 
     mass: torch.Tensor  # attention mass on evicted tokens, summed over the head's query group
-    kl: torch.Tensor | None  # expected KL divergence, nats (None without values and a Fisher)
+    kl: torch.Tensor  # expected KL divergence, nats
 
 
 def replay_costs(attn: torch.Tensor, ratios: torch.Tensor, sinks: torch.Tensor, recent: torch.Tensor,
-                 values: torch.Tensor | None = None, fisher: torch.Tensor | None = None) -> ReplayCosts:
+                 values: torch.Tensor, fisher: torch.Tensor) -> ReplayCosts:
     """Replay H2O's eviction on exact attention at each budget ratio.
 
     attn: [N, G, T, T] (attention_by_kv_head, kv heads of one or more layers); ratios: [R]; sinks, recent:
-    [N] (recent 0: half the budget); values: [N, T, Dv] and fisher: [N, G, T, Dv] (the diagonal Fisher of the
-    group's attention outputs) for the KL cost. The first T // 2 tokens are prefilled, then each query t
+    [N] (recent 0: half the budget); values: [N, T, Dv]; fisher: [N, G, T, Dv] (the diagonal Fisher of the
+    group's attention outputs). The first T // 2 tokens are prefilled, then each query t
     attends over the tokens kept at budget ceil(r * t): the newest half of it (or `recent`) and the first
     `sinks` forced, the rest the highest by attention accumulated over the group. After the prefill's
     compaction one token arrives per step, so each step evicts at most a token or two: the lowest-scoring
@@ -98,7 +98,7 @@ def replay_costs(attn: torch.Tensor, ratios: torch.Tensor, sinks: torch.Tensor, 
     pos = torch.arange(t, device=dev)
     kept = (pos < prefill).expand(n * n_r, t).clone()
     missed = torch.zeros(n * n_r, device=dev)
-    kl = torch.zeros(n, n_r, device=dev) if values is not None and fisher is not None else None
+    kl = torch.zeros(n, n_r, device=dev)
 
     def budget_at(seen: int) -> tuple[torch.Tensor, torch.Tensor]:
         budget = torch.ceil(r * seen).long()
@@ -114,12 +114,11 @@ def replay_costs(attn: torch.Tensor, ratios: torch.Tensor, sinks: torch.Tensor, 
         kept[:, step] = True  # the step's own token
         q = group[:, step].repeat_interleave(n_r, 0)
         missed += (q * ~kept).sum(-1)
-        if kl is not None:
-            weights = attn[:, :, step]  # [n, G, T]
-            exact = torch.bmm(weights, values)  # [n, G, Dv]
-            w = weights[:, None] * kept.view(n, n_r, 1, t)  # [n, R, G, T]: renormalised over the kept tokens
-            approx = torch.bmm(w.reshape(n, n_r * g, t), values).reshape(n, n_r, g, -1) / w.sum(-1, keepdim=True)
-            kl += 0.5 * (fisher[:, None, :, step] * (approx - exact[:, None]).pow(2)).sum((-1, -2))
+        weights = attn[:, :, step]  # [n, G, T]
+        exact = torch.bmm(weights, values)  # [n, G, Dv]
+        w = weights[:, None] * kept.view(n, n_r, 1, t)  # [n, R, G, T]: renormalised over the kept tokens
+        approx = torch.bmm(w.reshape(n, n_r * g, t), values).reshape(n, n_r, g, -1) / w.sum(-1, keepdim=True)
+        kl += 0.5 * (fisher[:, None, :, step] * (approx - exact[:, None]).pow(2)).sum((-1, -2))
         score += q
         budget, forced = budget_at(step + 1)
         while True:  # evict down to the budget of the tokens seen; forced tokens stay even over it
@@ -131,7 +130,7 @@ def replay_costs(attn: torch.Tensor, ratios: torch.Tensor, sinks: torch.Tensor, 
             rows = over.nonzero()[:, 0]
             kept[rows, victim[rows]] = False
     steps = t - prefill
-    return ReplayCosts(mass=(missed / steps).reshape(n, n_r), kl=None if kl is None else kl / steps)
+    return ReplayCosts(mass=(missed / steps).reshape(n, n_r), kl=kl / steps)
 
 
 def eviction_costs(model, windows: torch.Tensor, cfg: KVCompressConfig, layers: list[int],
