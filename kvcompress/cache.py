@@ -22,6 +22,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindo
 from kvcompress.config import ConfigError, KVCompressConfig, LayerPolicy
 from kvcompress.kernels.attention_backend import defers_dense
 from kvcompress.layout.arch import ModelLayout
+from kvcompress.layout.grow import append_in_place
 from kvcompress.layout.store import PagedStore
 from kvcompress.memory import LayerMemory, layer_memory_from_tensors, storage_bytes
 from kvcompress.quant.base import Role
@@ -54,6 +55,8 @@ class CompressedLayer(CacheLayerMixin):
         # MLA: the absorbed attention reads the latent update() returns, so update() must always return it
         # (the fused GQA path, which defers it, does not serve these layers)
         self.mla_latent = False
+        # a full-precision sparse layer's tail is a view of these buffers, which have room for the next tokens
+        self.room_k = self.room_v = None
 
     # `keys` / `values`: the dense states, for code that reads a layer's tensors directly.
     @property
@@ -112,11 +115,18 @@ class CompressedLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.cumulative_length += key_states.shape[-2]
-        if not self.compressed:
+        if not self.compressed and self.sparse is None:
             # Lossless: exactly what transformers' DynamicLayer does.
             self.tail_k = torch.cat([self.tail_k, key_states], dim=-2)
             self.tail_v = torch.cat([self.tail_v, value_states], dim=-2)
             k, v = self.dense()
+        elif not self.compressed:
+            # full precision under a sparsity policy: appended in place (kvcompress.layout.grow); a decode step
+            # on the fused path reads the held tokens itself (the new ones are only a placeholder)
+            spare = self.sparse.policy.page_size  # the policy evicts a page at a time (calib.held counts it)
+            self.tail_k, self.room_k = append_in_place(self.tail_k, key_states, self.room_k, spare)
+            self.tail_v, self.room_v = append_in_place(self.tail_v, value_states, self.room_v, spare)
+            k, v = (key_states, value_states) if defers_dense(self, key_states) else self.dense()
         else:
             self.append(key_states, value_states)
             # a fused step reads the packed parts itself: the new tokens are only a placeholder
@@ -195,6 +205,7 @@ class CompressedLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.static = None
         self.ragged = None
+        self.room_k = self.room_v = None
         self.is_initialized = False
         self.cumulative_length = 0
         if self.sparse is not None:
@@ -246,6 +257,7 @@ class CompressedLayer(CacheLayerMixin):
             self.static.release()
         self.sink_k, self.sink_v = fn(self.sink_k), fn(self.sink_v)
         self.tail_k, self.tail_v = fn(self.tail_k), fn(self.tail_v)
+        self.room_k = self.room_v = None  # the mapped tail is a tensor of its own
         if self.ragged is not None:
             self.ragged = self.ragged.map_batch(fn)
         self.key_store.map_batch(fn)
@@ -274,7 +286,7 @@ class CompressedLayer(CacheLayerMixin):
         if not self.is_initialized:
             return LayerMemory.empty(self.layer_idx)
         parts = [(t, Role.PAYLOAD if not self.compressed else "window") for t in
-                 (self.sink_k, self.sink_v, self.tail_k, self.tail_v)]
+                 (self.sink_k, self.sink_v, self.tail_k, self.tail_v, self.room_k, self.room_v)]
         for store in (self.key_store, self.value_store):
             parts += [(t, role) for _, t, role in store.tensors()]
         if self.ragged is not None:

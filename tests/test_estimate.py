@@ -108,8 +108,8 @@ SPARSE_CASES = {
 @pytest.mark.parametrize("case", list(SPARSE_CASES))
 def test_sparse_estimate_bounds_what_the_cache_holds(case):
     """The estimate of a sparse config is an upper bound of the bytes a real cache holds after every step of
-    a generation, and a tight one: within the two pages of slack the policies allow (SnapKV, which selects
-    only at prefill, after the prefill)."""
+    a generation, and a tight one: within the two pages of slack the policies allow and the page of free slots
+    a full-precision layer appends into (SnapKV, which selects only at prefill, after the prefill)."""
     import kvcompress
     from conftest import make_tiny_model
     from kvcompress import CompressedCache, LayerPolicy
@@ -123,7 +123,7 @@ def test_sparse_estimate_bounds_what_the_cache_holds(case):
     gen = torch.Generator().manual_seed(1)
     prompt, steps = 120, 0 if case == "snapkv" else 150
     per_token = layout.num_kv_heads * (layout.key_head_dim + layout.value_head_dim) * 4
-    slack = 2 * 8 * per_token * layout.num_layers
+    slack = (2 if policy else 3) * 8 * per_token * layout.num_layers
     worst = 0.0
     with torch.inference_mode(), kvcompress.enabled(model):
         model(torch.randint(3, 256, (1, prompt), generator=gen), **with_cache(cache))
@@ -134,5 +134,5 @@ def test_sparse_estimate_bounds_what_the_cache_holds(case):
             bound = estimate_memory(layout, cfg, prompt + step, 1, torch.float32)["compressed_bytes"]
             assert held <= bound, f"step {step}: the cache holds {held} bytes, the estimate says at most {bound}"
             worst = max(worst, bound - held)
-    assert worst <= slack, f"the estimate overstated the held bytes by {worst}, more than two pages ({slack})"
+    assert worst <= slack, f"the estimate overstated the held bytes by {worst}, more than {slack}"
     assert estimate_memory(layout, cfg, prompt + steps, 1, torch.float32)["ratio"] > 1.5 or "quest" in case

@@ -951,3 +951,50 @@ def test_fp8_phase_body_refuses_what_it_cannot_read():
         decode_attention_triton(q, parts, 0.125, fp8_phase=True)
     with pytest.raises(ValueError, match="both fp8"):
         decode_attention_triton(q, make_parts("int4", b=1, hkv=2, d=64, pages=2, seed=53), 0.125, fp8_phase=True)
+
+
+@needs_triton
+# Triton's interpreter gets bfloat16 dots wrong (any of the kernel's bodies, the exact tail too): bf16 on the GPU
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16] + [torch.bfloat16] * torch.cuda.is_available())
+def test_full_precision_bodies_read_in_place(dtype):
+    """Full-precision held tokens read in place by the fused kernel, against plain softmax attention over the
+    same tokens: a layer's tail as whole pages plus a remainder (dense_parts, a view with room after it),
+    and H2O's per-kv-head counts packed back to back (ragged_parts: each (row, kv head) from its own
+    offset, one head with a single token, one with the largest count). The torch twin gives the same; the
+    mass of a head's slots past its count is 0."""
+    from kvcompress.kernels.decode_attention_triton import decode_attention_triton
+    from kvcompress.kernels.parts import dense_parts, ragged_parts
+    from kvcompress.sparse.ragged import RaggedHeads
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(3)
+    b, h, g, d, width, n_tail = 2, 3, 2, 32, 40, 5
+    counts = torch.tensor([[40, 7, 23], [1, 30, 12]])
+    k, v = (torch.randn(b, h, width, d, generator=gen).to(dev, dtype) for _ in range(2))
+    tk, tv = (torch.randn(b, h, n_tail, d, generator=gen).to(dev, dtype) for _ in range(2))
+    q = torch.randn(b, h * g, d, generator=gen).to(dev, dtype)
+    ragged = RaggedHeads(k, v, counts.to(dev))
+    live = torch.cat([ragged.live(), torch.ones(b, h, n_tail, dtype=torch.bool, device=dev)], 2)
+
+    def reference(keys, values, ok):
+        s = torch.einsum("bhgd,bhnd->bhgn", q.float().view(b, h, g, d), keys.float()) * 0.2
+        p = s.masked_fill(~ok[:, :, None], float("-inf")).softmax(-1)
+        return torch.einsum("bhgn,bhnd->bhgd", p, values.float()).reshape(b, h * g, d), p.sum(2)
+
+    pk, pv = ragged.padded()
+    roomy_k, roomy_v = (torch.cat([x, torch.full_like(x[:, :, :9], 1e4)], 2) for x in (k, v))  # slots after
+    cases = {
+        "ragged": (ragged_parts(ragged, tk, tv), reference(torch.cat([pk, tk], 2), torch.cat([pv, tv], 2), live)),
+        "dense": (dense_parts(roomy_k[:, :, :width - 3], roomy_v[:, :, :width - 3]),
+                  reference(k[:, :, :width - 3], v[:, :, :width - 3], torch.ones(b, h, width - 3, dtype=torch.bool,
+                                                                                 device=dev))),
+    }
+    tol = 1e-5 if dtype == torch.float32 else 2e-2 if dtype == torch.bfloat16 else 4e-3
+    for name, (parts, (out_ref, mass_ref)) in cases.items():
+        assert parts.n_body == (width if name == "ragged" else 32)  # whole pages of 16 in the body
+        for fn in (decode_attention_torch, decode_attention_triton):
+            out, mass = fn(q, parts, 0.2, return_probs=True)
+            assert (out.float() - out_ref).abs().max() < tol, (name, fn.__name__)
+            assert (mass - mass_ref).abs().max() < tol, (name, fn.__name__)
+            if name == "ragged":
+                assert float(mass[:, :, :width].masked_select(~ragged.live()).abs().max()) == 0.0

@@ -569,3 +569,69 @@ def test_quest_over_a_residual_window_reads_the_same_on_both_backends(model, mon
     assert lists and all(pl.shape[-1] < 8 for pl in lists)  # the kernel got a page list, not every page
     assert read["torch"] == read["triton"] < 140
     assert (runs["triton"] - runs["torch"]).abs().max() / runs["torch"].abs().max() < 1e-3
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("method", ["h2o", "h2o-heads", "streaming", "snapkv"])
+def test_full_precision_evicting_layers_decode_on_the_fused_kernel(model, method, monkeypatch):
+    """A full-precision H2O / StreamingLLM / SnapKV layer's decode steps run the fused kernel over its held
+    tokens, read in place (their whole pages as a body view, kvcompress.kernels.parts.dense_parts; with
+    per-kv-head budgets the packed heads, each from its own offset, ragged_parts): the kernel is called on
+    every decode step, the logits match the torch backend's, and H2O's attention mass from the kernel keeps
+    the same tokens (the same positions held) as the torch reference's."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("run with TRITON_INTERPRET=1 to test the Triton kernel on CPU")
+    pytest.importorskip("triton", reason="Triton is not installed (pip install triton)")
+    import kvcompress.kernels.decode_attention_triton as fused
+
+    cfg = sparse_config(model, SPECS[method](24))
+    ids = torch.randint(3, 256, (2, 70), generator=torch.Generator().manual_seed(13))
+    calls, kernel = [], fused.decode_attention_triton
+
+    def spy(q, parts, *args, **kwargs):
+        calls.append(parts.n_body)
+        return kernel(q, parts, *args, **kwargs)
+
+    monkeypatch.setattr(fused, "decode_attention_triton", spy)
+    runs, held = {}, {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv("KVCOMPRESS_KERNELS", backend)
+        with kvcompress.enabled(model):
+            cache = CompressedCache(model.config, cfg)
+            steps = [model(ids[:, :40], **with_cache(cache)).logits[:, -1]]
+            for i in range(40, ids.shape[1]):
+                steps.append(model(ids[:, i:i + 1], **with_cache(cache)).logits[:, -1])
+        runs[backend] = torch.stack(steps)
+        held[backend] = [layer.sparse.positions(layer.held_tokens, layer.tail_k) for layer in cache.layers]
+        if backend == "torch":
+            assert not calls
+    n_layers = len(cache.layers)
+    assert len(calls) == 30 * n_layers and max(calls) >= 16  # every decode step of every layer; a body view
+    if method == "h2o-heads":
+        assert all(layer.ragged is not None for layer in cache.layers)  # the heads' own counts, packed
+    assert (runs["triton"] - runs["torch"]).abs().max() / runs["torch"].abs().max() < 1e-4
+    for a, b in zip(held["torch"], held["triton"]):
+        assert torch.equal(a, b)
+
+
+def test_full_precision_sparse_layer_appends_in_place(model):
+    """A full-precision H2O layer writes each decode token into its buffer's free slots (the held tokens are
+    a view of one buffer between evictions, not a copy per step), lets the buffer go when an eviction
+    gathers what it keeps, and memory_report counts the buffer's free slots too."""
+    cache = CompressedCache(model.config, sparse_config(model, SparsitySpec("h2o", budget=24, page_size=8)))
+    layer, previous, evictions, reused = cache.layers[0], None, 0, 0
+    with torch.inference_mode(), kvcompress.enabled(model, "torch"):
+        for _ in decode_steps(model, cache, 40):
+            payload = layer.memory().payload_bytes
+            if layer.room_k is None:  # this step evicted: the layer holds what the gather kept, nothing more
+                evictions += 1
+                assert payload == layer.tail_k.untyped_storage().nbytes() + layer.tail_v.untyped_storage().nbytes()
+            else:
+                assert layer.tail_k.data_ptr() == layer.room_k.data_ptr()  # a view of the buffer
+                assert layer.room_k.shape[2] > layer.held_tokens  # with free slots, which are counted
+                assert payload == layer.room_k.untyped_storage().nbytes() + layer.room_v.untyped_storage().nbytes()
+                reused += layer.room_k is previous
+            previous = layer.room_k
+    assert 4 <= evictions <= 6 and reused >= 25  # an eviction every 8 steps; one buffer in between

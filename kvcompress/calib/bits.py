@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcompress.calib.held import held_tokens, sparsity_state_bytes
+from kvcompress.calib.held import held_tokens, room_tokens, sparsity_state_bytes
 from kvcompress.config import LayerPolicy, QuantSpec
 from kvcompress.layout.arch import ModelLayout
 from kvcompress.quant.factory import make_codec
@@ -74,7 +74,7 @@ def layer_bytes(policy: LayerPolicy, layout: ModelLayout, layer_idx: int, contex
     if held < context:  # evicted: body pages go, the sinks and the tail stay
         exact = min(exact, held)
         body = held - exact
-    total = batch * exact * h * (dk + dv) * itemsize
+    total = batch * (exact + room_tokens(policy)) * h * (dk + dv) * itemsize
     total += sparsity_state_bytes(policy, layer_idx, context, h, dk, batch, value_dim=dv)
     for spec, d, name in ((policy.key, dk, "key"), (policy.value, dv, "value")):
         cost = stream_cost(spec, policy.stream_tensors(name), policy.page_size, h, d, dtype)

@@ -6,6 +6,8 @@ calibration's budget), per kv head of one sequence:
   by up to one page before compacting again: at most budget + one page in full precision; over quantized
   pages, whose eviction keeps whole pages and every page the recent window touches, at most budget + two
   pages (`tests/test_sparse.py::test_h2o_memory_stays_bounded` holds the cache to the same bound).
+- A full-precision layer under any policy appends in place into a buffer with one page of free slots
+  (kvcompress.layout.grow), which it holds beside its tokens (`room_tokens`).
 - SnapKV selects once, at prefill, and then appends without evicting: the context is taken as the prompt,
   so it holds its budget of it (every decoded token adds one more).
 - Quest evicts nothing: it holds every token, plus bfloat16 min / max key summaries per page of its own
@@ -59,6 +61,13 @@ def head_held(policy: LayerPolicy, layer_idx: int, context: int) -> list[int]:
     slack = 2 * policy.page_size if quantized else policy.sparsity.page_size
     shares = policy.sparsity.head_shares or [1.0]
     return [min(context, max(1, math.ceil(x * budget)) + slack) for x in shares]
+
+
+def room_tokens(policy: LayerPolicy) -> int:
+    """Free slots a layer holds beside its tokens, per kv head: a full-precision layer under a policy (dense
+    layers below `dense_layers` included) appends into a buffer with one page of them (kvcompress.layout.grow)."""
+    lossless = policy.key.is_lossless and policy.value.is_lossless
+    return policy.sparsity.page_size if lossless and policy.sparsity.method != "none" else 0
 
 
 def sparsity_state_bytes(policy: LayerPolicy, layer_idx: int, context: int, num_heads: int, key_dim: int,

@@ -25,8 +25,11 @@ runs over the latent update() returns.
 
 Sparse layers: Quest passes its selected body pages as the kernel's page list (the kernel always reads
 the exact sinks and the whole tail, which Quest's selection always holds: the same tokens as the torch
-path); H2O takes the
-per-token attention the kernel returns. Nothing here imports transformers or Triton.
+path); H2O takes the per-token attention the kernel returns. Full-precision layers under an evicting policy
+(H2O, with or without per-kv-head budgets, StreamingLLM, SnapKV) defer their decode steps too: the kernel
+reads their held tokens in place (kvcompress.kernels.parts.dense_parts / ragged_parts), where the torch
+reference would copy them to fp32 (and, with per-head budgets, rebuild a padded view) every step. Nothing
+here imports transformers or Triton.
 """
 
 from __future__ import annotations
@@ -106,8 +109,10 @@ def fused_supported(layer) -> bool:
     """Whether the fused kernel can serve `layer`'s decode steps (codecs, head dims, dtype, sparsity)."""
     from kvcompress.kernels.streams import stream_supported
 
-    if not getattr(layer, "is_initialized", False) or not getattr(layer, "compressed", False):
-        return False  # lossless layers return their tail as is: SDPA reads it without any decode
+    if not getattr(layer, "is_initialized", False):
+        return False
+    if not getattr(layer, "compressed", False):
+        return _lossless_sparse_supported(layer)
     if getattr(layer, "mla_latent", False):  # absorbed MLA: kvcompress.kernels.mla_layer reads the parts
         from kvcompress.kernels.mla_layer import mla_fused_supported
 
@@ -126,6 +131,24 @@ def fused_supported(layer) -> bool:
         page = layer.key_store.page_size
         return sparse.policy.page_size == page and layer.sink_k.shape[2] % page == 0
     return True
+
+
+def _lossless_sparse_supported(layer) -> bool:
+    """A full-precision layer: one under an evicting policy (H2O, StreamingLLM, SnapKV) decodes through the
+    kernel over its held tokens, read in place (kvcompress.kernels.parts: `dense_parts`, and `ragged_parts` for
+    H2O's per-kv-head budgets), which also gives H2O the attention mass without the torch reference's fp32
+    copy of the held K/V; one without a policy returns its tail as is, for SDPA. Not here: merged H2O (a size
+    bias per token) and Quest over full precision run on the torch path, as do layers that ever saw padding
+    (dead slots the kernel cannot mask)."""
+    sparse = getattr(layer, "sparse", None)
+    if sparse is None or getattr(layer, "mla_latent", False):
+        return False
+    policy = sparse.policy
+    if policy.keeps_page_summaries or getattr(policy, "merge", False):
+        return False
+    if sparse.pad_max or layer.tail_k.dtype not in _DTYPES:
+        return False
+    return all(d >= 16 and not d & (d - 1) for d in (layer.tail_k.shape[-1], layer.tail_v.shape[-1]))
 
 
 def defers_dense(layer, new_keys: torch.Tensor) -> bool:

@@ -72,6 +72,14 @@ def _body(parts: AttentionParts, page_list: torch.Tensor | None, dtype: torch.dt
     """Decoded body K, V [B, Hkv, n, D], the body token index of each [B, Hkv, n] and whether it is read."""
     key, value = parts.key, parts.value
     b, hkv, dev = parts.batch, parts.kv_heads, parts.tail_k.device
+    if parts.body_offsets is not None:  # packed by (row, kv head), each head from its offset (parts.ragged_parts)
+        tok = torch.arange(key.n_tokens, device=dev).expand(b, hkv, -1)
+        ok = tok < parts.body_lengths.to(dev)[..., None]
+        at = (parts.body_offsets.to(dev)[..., None] + tok).masked_fill(~ok, 0)[..., None]  # [B, Hkv, n, 1]
+        first = {name: t[:1, :1] for name, t in key.data.items()}, {name: t[:1, :1] for name, t in value.data.items()}
+        k, v = (s.codec.decode(f, s.row, dtype).expand(b, hkv, -1, -1) for s, f in zip((key, value), first))
+        k, v = k.gather(2, at.expand(-1, -1, -1, k.shape[-1])), v.gather(2, at.expand(-1, -1, -1, v.shape[-1]))
+        return k, v, tok, ok
     if page_list is None:
         k, v = key.decode(dtype), value.decode(dtype)
         tok = torch.arange(key.n_tokens, device=dev).expand(b, hkv, -1)

@@ -336,7 +336,7 @@ def _decode_split_kernel(
     V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_SCALE_AT: tl.constexpr, V_GROUP: tl.constexpr,
     V_HAS_ZERO: tl.constexpr, V_NOUT: tl.constexpr, V_KCP: tl.constexpr,
     HAS_BODY: tl.constexpr, HAS_LENS: tl.constexpr, HAS_TLEN: tl.constexpr, HAS_STARTS: tl.constexpr, HAS_PL: tl.constexpr, WRITE_SCORES: tl.constexpr,
-    DOT_FP32: tl.constexpr, DT: tl.constexpr,
+    DOT_FP32: tl.constexpr, DT: tl.constexpr, HEAD_LENS: tl.constexpr = False,
 ):
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -371,6 +371,14 @@ def _decode_split_kernel(
             TK + b64 * tk_sb + h * tk_sh, TV + b64 * tv_sb + h * tv_sh, tk_sn, tv_sn, n_tail, n_body, row_first,
             sc_row, g_ok, qk_scale, WRITE_SCORES, DBN, DK, DV, DOT_FP32, DT)
     elif HAS_BODY:
+        # HEAD_LENS: a packed body of per-(row, kv head) counts (kvcompress.sparse.ragged), LENS [B * HKV, 2] holding
+        # each head's first token in it and its count; the body's row and head strides are 0
+        lens_at, lens_b = LENS, b
+        if HEAD_LENS:
+            lens_at, lens_b = LENS + 2 * pid_bh + 1, 0
+            first = tl.load(LENS + 2 * pid_bh).to(tl.int64)
+            KC += first * kc_sn
+            VC += first * vc_sn
         kc = KC + b64 * kc_sb + h * kc_sh
         ks = KS + b64 * ks_sb + h * ks_sh
         kz = KZ + b64 * ks_sb + h * ks_sh
@@ -384,7 +392,7 @@ def _decode_split_kernel(
         voi = VOI + b64 * vo_sb + h * vo_sh
         vov = VOV + b64 * vo_sb + h * vo_sh
         pl = PL + b64 * pl_sb + h * pl_sh
-        len_b, n_logical = _body_extent(LENS, b, n_body, n_sel, HAS_LENS, HAS_PL, P)
+        len_b, n_logical = _body_extent(lens_at, lens_b, n_body, n_sel, HAS_LENS, HAS_PL, P)
         start = split * tokens_per_split
         end = tl.minimum(start + tokens_per_split, n_logical)
         rows = tl.arange(0, BN)
@@ -772,6 +780,11 @@ def decode_attention_triton(
     n_splits = body_splits * ppi + 1  # partial rows per query head (the fast kernel: one per page slot)
 
     lens = parts.body_lengths
+    if parts.body_offsets is not None:  # a packed body of per-head counts: (first token, count) per (row, kv head)
+        if kernel is not _decode_split_kernel or page_list is not None:
+            raise ValueError("a body of per-kv-head counts (body_offsets) is read by the general kernel without a "
+                             "page list only: give it full-precision (identity codec) streams")
+        lens = torch.stack([parts.body_offsets, lens], -1).reshape(-1)
     lens = lens.to(dev, torch.int32) if lens is not None else q
     starts = parts.row_starts.to(dev, torch.int32) if parts.row_starts is not None else q
     tlen = parts.tail_lengths if parts.tail_lengths is not None else q
@@ -807,6 +820,8 @@ def decode_attention_triton(
         **({} if by_phase else dict(OPB=opb, HAS_BODY=key_args is not None, **_stream_constants(key_args, "K"),
                                 **_stream_constants(value_args, "V"))),
     )
+    if parts.body_offsets is not None:
+        consts["HEAD_LENS"] = True
     out = torch.empty(b, hq, dv, device=dev, dtype=q.dtype)
     lse = torch.empty(b, hq, device=dev, dtype=torch.float32)
     # programmatic dependent launch needs Hopper or later (Triton's interpreter has none)

@@ -67,6 +67,9 @@ class AttentionParts:
     positions before it are left padding (None: no padding);
     tail_lengths: [1] int64 on the device, how many tail tokens are valid (None: all T). A captured decode
     step (kvcompress.decode_graph) reads a tail buffer of fixed size whose length only the device knows.
+    body_offsets: [B, H] int, a body packed by (row, kv head) with counts of their own (H2O's per-head budgets,
+    kvcompress.sparse.ragged): where each head's tokens start in it; body_lengths is then [B, H], the counts,
+    and the body's data has row and head strides 0 (`ragged_parts`). n_body is the largest count.
     """
 
     key: PackedStream | None
@@ -78,6 +81,7 @@ class AttentionParts:
     body_lengths: torch.Tensor | None = None
     row_starts: torch.Tensor | None = None
     tail_lengths: torch.Tensor | None = None
+    body_offsets: torch.Tensor | None = None
 
     def __post_init__(self):
         if (self.key is None) != (self.value is None):
@@ -121,8 +125,9 @@ def layer_parts(layer, body_lengths: torch.Tensor | None = None,
     if getattr(layer, "static", None) is not None:  # a decode graph's layer: fixed buffers, lengths on the device
         return layer.static.parts(row_starts)
     if not layer.compressed:
-        empty_k, empty_v = layer.tail_k[:, :, :0], layer.tail_v[:, :, :0]
-        return AttentionParts(None, None, empty_k, empty_v, layer.tail_k, layer.tail_v, None, row_starts)
+        if getattr(layer, "ragged", None) is not None:
+            return ragged_parts(layer.ragged, layer.tail_k, layer.tail_v, row_starts)
+        return dense_parts(layer.tail_k, layer.tail_v, row_starts)
     ks, vs = layer.key_store, layer.value_store
     key = value = None
     if ks.n_tokens:
@@ -130,3 +135,41 @@ def layer_parts(layer, body_lengths: torch.Tensor | None = None,
         value = PackedStream(vs.codec, vs.data, vs.row, vs.n_tokens)
     return AttentionParts(key, value, layer.sink_k, layer.sink_v, layer.tail_k, layer.tail_v, body_lengths,
                           row_starts)
+
+
+DENSE_PAGE = 16  # tokens per page of a full-precision layer's body view
+
+
+def dense_parts(k: torch.Tensor, v: torch.Tensor, row_starts: torch.Tensor | None = None) -> AttentionParts:
+    """Full-precision held tokens k [B, H, n, Dk], v [B, H, n, Dv] as the kernels read them: the whole pages of
+    DENSE_PAGE tokens as a body of the identity codec (views of k and v, nothing copied), which the kernel's
+    splits share out, the rest (under a page) as the tail, which the last split reads."""
+    from kvcompress.quant.identity import IdentityCodec
+
+    n = k.shape[2] // DENSE_PAGE * DENSE_PAGE
+    key = value = None
+    if n:
+        key, value = (PackedStream(IdentityCodec(page_size=DENSE_PAGE, head_dim=x.shape[-1], num_heads=x.shape[1],
+                                                 dtype=x.dtype), {"data": x[:, :, :n]}, {}, n) for x in (k, v))
+    return AttentionParts(key, value, k[:, :, :0], v[:, :, :0], k[:, :, n:], v[:, :, n:], None, row_starts)
+
+
+def ragged_parts(ragged, tail_k: torch.Tensor, tail_v: torch.Tensor, row_starts: torch.Tensor | None = None
+                 ) -> AttentionParts:
+    """An H2O layer with per-kv-head budgets (kvcompress.sparse.ragged.RaggedHeads: keys [M, Dk], values
+    [M, Dv], counts [B, H], packed by row then head) and its tail [B, H, n, D]: the packed tokens as a body
+    read in place (expanded to [B, H, M, D] with strides 0, each head from its own offset), the tail as the
+    tail. Positions run over the padded view (each head's width slots, then the tail), as the layer's
+    SparseState keeps them."""
+    from kvcompress.quant.identity import IdentityCodec
+
+    b, h, width = ragged.shape
+    counts = ragged.counts
+    offsets = counts.flatten().cumsum(0).sub(counts.flatten()).view(b, h)
+    key = value = None
+    if width:
+        key, value = (PackedStream(IdentityCodec(page_size=1, head_dim=x.shape[-1], num_heads=h, dtype=x.dtype),
+                                   {"data": x[None, None].expand(b, h, *x.shape)}, {}, width)
+                      for x in (ragged.keys, ragged.values))
+    return AttentionParts(key, value, tail_k[:, :, :0], tail_v[:, :, :0], tail_k, tail_v, counts, row_starts,
+                          body_offsets=offsets)

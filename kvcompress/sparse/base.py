@@ -133,11 +133,18 @@ def compact(
         idx = kept_tokens(layer, priority, forced, valid, n_keep)
         if idx is not None:
             held = layer.held_tokens
-            layer.tail_k, layer.tail_v = gather_tokens(layer.tail_k, idx), gather_tokens(layer.tail_v, idx)
+            hold_tokens(layer, gather_tokens(layer.tail_k, idx), gather_tokens(layer.tail_v, idx))
             state.gather(idx, held)
         return
     key = keep_key(priority, forced, valid)
     _compact_pages(layer, state, key, max(n_keep, int((forced & valid).sum(-1).max())))
+
+
+def hold_tokens(layer, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """A full-precision layer now holds keys / values [B, H, n, D] (what an eviction kept); the buffers its former
+    tail was a view of (kvcompress.layout.grow) are let go with it."""
+    layer.tail_k, layer.tail_v = keys, values
+    layer.room_k = layer.room_v = None
 
 
 def evict_rows(layer, state, priority: torch.Tensor, forced: torch.Tensor, valid: torch.Tensor,
@@ -169,7 +176,7 @@ def evict_rows(layer, state, priority: torch.Tensor, forced: torch.Tensor, valid
         dead = dead_ranked.gather(2, perm)
         if n == held and not bool(dead.any()):
             return
-        layer.tail_k, layer.tail_v = gather_tokens(layer.tail_k, idx), gather_tokens(layer.tail_v, idx)
+        hold_tokens(layer, gather_tokens(layer.tail_k, idx), gather_tokens(layer.tail_v, idx))
         state.gather(idx, held)
         state.kill(dead)
 

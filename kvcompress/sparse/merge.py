@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvcompress.sparse.base import gather_tokens, kept_tokens
+from kvcompress.sparse.base import gather_tokens, hold_tokens, kept_tokens
 
 SIM_ELEMENTS = 1 << 26  # float32 similarities held at once, [B, H, rows, held]: 256 MB
 SCORE_FLOOR = 1e-6  # weight of a token no query has read yet, in attention mass (a query's is 1 per head)
@@ -101,8 +101,8 @@ def merge_compact(
         s = torch.zeros_like(x).scatter_add_(2, target[..., None].expand_as(x), weight[..., None] * x)
         return torch.where(keep[..., None] & (total[..., None] > 0), s / denom, x)
 
-    layer.tail_k = gather_tokens(merged(k).to(layer.tail_k.dtype), idx)
-    layer.tail_v = gather_tokens(merged(v).to(layer.tail_v.dtype), idx)
+    hold_tokens(layer, gather_tokens(merged(k).to(layer.tail_k.dtype), idx),
+                gather_tokens(merged(v).to(layer.tail_v.dtype), idx))
     if state.scores is not None:
         real = state.scores.masked_fill(~valid, 0.0)
         state.scores = torch.zeros_like(state.scores).scatter_add_(2, target, real)

@@ -7,9 +7,11 @@ keeps after an eviction are packed back to back (`RaggedHeads`): K [M, Dk], V [M
 the kept counts, and the counts [B, H]. The tokens that arrive until the next eviction (at most the
 policy's slack) join the layer's ordinary tail [B, H, n, D], where every head has the same count.
 
-Attention reads the padded view [B, H, width, D] (`padded`, each head's tokens first, zeros after),
-rebuilt for each step and freed after it, as a Quest step's gathered tokens are; the layer's SparseState
-keeps `pos` / `scores` in that padded order, the slots past a head's count dead (position -1).
+The fused kernel reads the packed tokens in place, each head from its own offset
+(kvcompress.kernels.parts.ragged_parts); the torch attention reads the padded view [B, H, width, D]
+(`padded`, each head's tokens first, zeros after), rebuilt for each step and freed after it, as a Quest
+step's gathered tokens are. The layer's SparseState keeps `pos` / `scores` in that padded order, the slots
+past a head's count dead (position -1), which the kernel scores as never read.
 
 Hand-rolled rather than torch.nested: a boolean mask over [B, H, width] packs and unpacks in one indexing
 op each, on any device and dtype, and the rest of the layer keeps plain tensors.
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcompress.sparse.base import gather_tokens, keep_key
+from kvcompress.sparse.base import gather_tokens, hold_tokens, keep_key
 
 
 class RaggedHeads:
@@ -85,6 +87,6 @@ def evict_heads(layer, state, priority: torch.Tensor, forced: torch.Tensor, vali
     idx = torch.where(live, order, held).sort(dim=-1).values.masked_fill(~live, 0)
     k, v = layer.dense()
     layer.ragged = RaggedHeads(gather_tokens(k, idx), gather_tokens(v, idx), keep)
-    layer.tail_k, layer.tail_v = k[:, :, :0].clone(), v[:, :, :0].clone()
+    hold_tokens(layer, k[:, :, :0].clone(), v[:, :, :0].clone())
     state.gather(idx, held)
     state.kill(~live)
