@@ -304,6 +304,14 @@ class CompressedLayer(CacheLayerMixin):
             elements_per_token=elems_per_token, dtype=self.dtype,
         )
 
+    def _free_slot_bytes(self) -> int:
+        """Bytes of the free slots after the tail in the buffers it is a view of (0 without such buffers)."""
+        free = 0
+        for tail, room in ((self.tail_k, self.room_k), (self.tail_v, self.room_v)):
+            if room is not None and tail.data_ptr() == room.data_ptr():
+                free += (room.shape[2] - tail.shape[2]) * room[:, :, :1].numel() * room.element_size()
+        return free
+
     def bytes_read_last_step(self) -> int:
         """Bytes the last decode step reads through the fused kernel: the exact windows (sinks, tail) and the
         sparsity metadata (Quest scores every page summary) in full, and the packed body in proportion to
@@ -317,8 +325,8 @@ class CompressedLayer(CacheLayerMixin):
         if self.compressed:
             window, n_body = m.window_bytes, self.key_store.n_tokens
             body = m.payload_bytes + m.metadata_bytes - sparse_bytes
-        else:
-            window, body, n_body = 0, m.payload_bytes, self.held_tokens
+        else:  # the free slots of the buffer appended into (kvcompress.layout.grow) are held, not read
+            window, body, n_body = 0, m.payload_bytes - self._free_slot_bytes(), self.held_tokens
         share = 1.0 if read is None or n_body == 0 else min(read / n_body, 1.0)
         return int(window + sparse_bytes + body * share)
 

@@ -619,7 +619,9 @@ def test_full_precision_evicting_layers_decode_on_the_fused_kernel(model, method
 def test_full_precision_sparse_layer_appends_in_place(model):
     """A full-precision H2O layer writes each decode token into its buffer's free slots (the held tokens are
     a view of one buffer between evictions, not a copy per step), lets the buffer go when an eviction
-    gathers what it keeps, and memory_report counts the buffer's free slots too."""
+    gathers what it keeps, and memory_report counts the buffer's free slots too (which a step does not read)."""
+    from kvcompress.memory import storage_bytes
+
     cache = CompressedCache(model.config, sparse_config(model, SparsitySpec("h2o", budget=24, page_size=8)))
     layer, previous, evictions, reused = cache.layers[0], None, 0, 0
     with torch.inference_mode(), kvcompress.enabled(model, "torch"):
@@ -633,5 +635,8 @@ def test_full_precision_sparse_layer_appends_in_place(model):
                 assert layer.room_k.shape[2] > layer.held_tokens  # with free slots, which are counted
                 assert payload == layer.room_k.untyped_storage().nbytes() + layer.room_v.untyped_storage().nbytes()
                 reused += layer.room_k is previous
+                # a step reads the held tokens (and H2O's positions and scores), not the free slots
+                tokens = (layer.tail_k.numel() + layer.tail_v.numel()) * layer.tail_k.element_size()
+                assert layer.bytes_read_last_step() == tokens + storage_bytes(layer.sparse.tensors())
             previous = layer.room_k
     assert 4 <= evictions <= 6 and reused >= 25  # an eviction every 8 steps; one buffer in between
