@@ -290,8 +290,8 @@ class CompressedLayer(CacheLayerMixin):
         for store in (self.key_store, self.value_store):
             parts += [(t, role) for _, t, role in store.tensors()]
         if self.ragged is not None:
-            k, v, counts = self.ragged.tensors()
-            parts += [(k, Role.PAYLOAD), (v, Role.PAYLOAD), (counts, Role.METADATA)]
+            k, v, counts, offsets = self.ragged.tensors()
+            parts += [(k, Role.PAYLOAD), (v, Role.PAYLOAD), (counts, Role.METADATA), (offsets, Role.METADATA)]
         if self.sparse is not None:
             parts += [(t, Role.METADATA) for t in self.sparse.tensors()]
         b, h = self.tail_k.shape[:2]

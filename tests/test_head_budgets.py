@@ -142,8 +142,8 @@ def test_estimate_counts_the_heads_own_budgets():
     even, shared = LayerPolicy(sparsity=h2o(budget=100)), LayerPolicy(sparsity=h2o(budget=100, shares=(0.5, 1.5)))
     assert held_tokens(even, 0, 1000) == 108  # budget + a page
     assert held_tokens(shared, 0, 1000) == (58 + 158) // 2  # the heads' mean
-    # positions and scores padded to the largest head (158), plus a count per head
-    assert sparsity_state_bytes(shared, 0, 1000, 2, 64) == 2 * 158 * 8 + 2 * 8
+    # positions and scores padded to the largest head (158), plus a count and an offset per head
+    assert sparsity_state_bytes(shared, 0, 1000, 2, 64) == 2 * 158 * 8 + 2 * 16
 
 
 def test_replayed_cost_of_a_local_and_a_diffuse_head():

@@ -16,7 +16,7 @@ calibration's budget), per kv head of one sequence:
 Layers below `dense_layers` (Quest's dense first layers) hold everything. H2O with `head_shares` holds each
 kv head's own budget (ceil(share x budget) + one page), packed (kvcompress.sparse.ragged): the tokens count
 as their mean over the heads, rounded up; positions and scores stay padded to the largest head, plus an
-int64 count per kv head.
+int64 count and an int64 offset per kv head.
 
 Beside the tokens, an evicting layer keeps each held token's position (int32) and H2O its accumulated
 attention (float32; a merged token also its log size), as the memory report counts them.
@@ -30,7 +30,8 @@ from kvcompress.config import LayerPolicy
 
 POSITION_BYTES = 4  # int32 positions of the held tokens once a layer has evicted (sparse.state)
 SCORE_BYTES = 4  # float32 accumulated attention per held token (H2O), and log size per merged token
-COUNT_BYTES = 8  # int64 tokens kept per kv head of a layer with head_shares (sparse.ragged)
+# int64 tokens kept and where they start, per kv head of a layer with head_shares (sparse.ragged)
+COUNT_BYTES = 16
 
 
 def is_sparse_here(policy: LayerPolicy, layer_idx: int) -> bool:
@@ -65,7 +66,8 @@ def head_held(policy: LayerPolicy, layer_idx: int, context: int) -> list[int]:
 
 def room_tokens(policy: LayerPolicy) -> int:
     """Free slots a layer holds beside its tokens, per kv head: a full-precision layer under a policy (dense
-    layers below `dense_layers` included) appends into a buffer with one page of them (kvcompress.layout.grow)."""
+    layers below `dense_layers` included) appends into a buffer with one page of them
+    (kvcompress.layout.grow)."""
     lossless = policy.key.is_lossless and policy.value.is_lossless
     return policy.sparsity.page_size if lossless and policy.sparsity.method != "none" else 0
 

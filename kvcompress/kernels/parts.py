@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcompress.quant.base import Codec, FieldKind
+from kvcompress.quant.identity import IdentityCodec
 
 
 @dataclass
@@ -144,13 +145,10 @@ def dense_parts(k: torch.Tensor, v: torch.Tensor, row_starts: torch.Tensor | Non
     """Full-precision held tokens k [B, H, n, Dk], v [B, H, n, Dv] as the kernels read them: the whole pages of
     DENSE_PAGE tokens as a body of the identity codec (views of k and v, nothing copied), which the kernel's
     splits share out, the rest (under a page) as the tail, which the last split reads."""
-    from kvcompress.quant.identity import IdentityCodec
-
     n = k.shape[2] // DENSE_PAGE * DENSE_PAGE
     key = value = None
     if n:
-        key, value = (PackedStream(IdentityCodec(page_size=DENSE_PAGE, head_dim=x.shape[-1], num_heads=x.shape[1],
-                                                 dtype=x.dtype), {"data": x[:, :, :n]}, {}, n) for x in (k, v))
+        key, value = (_identity_body(x[:, :, :n], DENSE_PAGE, n) for x in (k, v))
     return AttentionParts(key, value, k[:, :, :0], v[:, :, :0], k[:, :, n:], v[:, :, n:], None, row_starts)
 
 
@@ -161,15 +159,16 @@ def ragged_parts(ragged, tail_k: torch.Tensor, tail_v: torch.Tensor, row_starts:
     read in place (expanded to [B, H, M, D] with strides 0, each head from its own offset), the tail as the
     tail. Positions run over the padded view (each head's width slots, then the tail), as the layer's
     SparseState keeps them."""
-    from kvcompress.quant.identity import IdentityCodec
-
     b, h, width = ragged.shape
-    counts = ragged.counts
-    offsets = counts.flatten().cumsum(0).sub(counts.flatten()).view(b, h)
     key = value = None
     if width:
-        key, value = (PackedStream(IdentityCodec(page_size=1, head_dim=x.shape[-1], num_heads=h, dtype=x.dtype),
-                                   {"data": x[None, None].expand(b, h, *x.shape)}, {}, width)
+        key, value = (_identity_body(x[None, None].expand(b, h, *x.shape), 1, width)
                       for x in (ragged.keys, ragged.values))
-    return AttentionParts(key, value, tail_k[:, :, :0], tail_v[:, :, :0], tail_k, tail_v, counts, row_starts,
-                          body_offsets=offsets)
+    return AttentionParts(key, value, tail_k[:, :, :0], tail_v[:, :, :0], tail_k, tail_v, ragged.counts,
+                          row_starts, body_offsets=ragged.offsets)
+
+
+def _identity_body(x: torch.Tensor, page: int, n_tokens: int) -> PackedStream:
+    """x [B, H, N, D] in the model dtype as a packed body of `n_tokens` tokens in pages of `page`."""
+    codec = IdentityCodec(page_size=page, head_dim=x.shape[-1], num_heads=x.shape[1], dtype=x.dtype)
+    return PackedStream(codec, {"data": x}, {}, n_tokens)

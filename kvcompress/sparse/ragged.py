@@ -31,6 +31,8 @@ class RaggedHeads:
         """keys / values: [B, H, width, D] with each head's counts[b, h] tokens first (the rest ignored)."""
         self.shape = tuple(keys.shape[:3])
         self.counts = counts
+        flat = counts.flatten()
+        self.offsets = (flat.cumsum(0) - flat).view(counts.shape)  # [B, H]: where each head's tokens start
         live = self.live()
         self.keys, self.values = keys[live], values[live]  # boolean indexing copies: the padded input is freed
 
@@ -58,7 +60,7 @@ class RaggedHeads:
         return self.counts.float().mean()
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.keys, self.values, self.counts]
+        return [self.keys, self.values, self.counts, self.offsets]
 
     def map_batch(self, fn) -> RaggedHeads:
         """The same rows mapped by fn (reorder, repeat, select, move) over [B, ...] tensors."""
