@@ -528,6 +528,22 @@ def test_quest_25_preset_shares_the_step_across_layers():
 
 
 @torch.no_grad()
+def on_both_backends(model, cfg, ids, prompt: int, monkeypatch) -> dict:
+    """Prefill `prompt` tokens of ids, then feed the rest one by one, on the torch backend then on Triton:
+    {backend: (last-token logits of each forward [steps + 1, B, V], the cache)}."""
+    out = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv("KVCOMPRESS_KERNELS", backend)
+        with kvcompress.enabled(model):
+            cache = CompressedCache(model.config, cfg)
+            steps = [model(ids[:, :prompt], **with_cache(cache)).logits[:, -1]]
+            for i in range(prompt, ids.shape[1]):
+                steps.append(model(ids[:, i:i + 1], **with_cache(cache)).logits[:, -1])
+        out[backend] = torch.stack(steps), cache
+    return out
+
+
+@torch.no_grad()
 def test_quest_over_a_residual_window_reads_the_same_on_both_backends(model, monkeypatch):
     """Quest over nuq4 with exact sinks and a 16-token exact tail: every step reads the sinks and the whole
     tail beside the selected pages, on the torch backend as in the fused kernel (which is given only the
@@ -553,14 +569,8 @@ def test_quest_over_a_residual_window_reads_the_same_on_both_backends(model, mon
 
     monkeypatch.setattr(attention_backend, "quest_page_list", spy)
     runs, read = {}, {}
-    for backend in ("torch", "triton"):
-        monkeypatch.setenv("KVCOMPRESS_KERNELS", backend)
-        with kvcompress.enabled(model):
-            cache = CompressedCache(model.config, cfg)
-            steps = [model(ids[:, :100], **with_cache(cache)).logits[:, -1]]
-            for i in range(100, ids.shape[1]):
-                steps.append(model(ids[:, i:i + 1], **with_cache(cache)).logits[:, -1])
-        runs[backend], read[backend] = torch.stack(steps), cache.tokens_read_last_step()
+    for backend, (runs[backend], cache) in on_both_backends(model, cfg, ids, 100, monkeypatch).items():
+        read[backend] = cache.tokens_read_last_step()
         layer = cache.layers[-1]
         held, n_tail = layer.held_tokens, layer.tail_k.shape[2]
         index = layer.sparse.read_index[0, 0].tolist()
@@ -596,17 +606,8 @@ def test_full_precision_evicting_layers_decode_on_the_fused_kernel(model, method
 
     monkeypatch.setattr(fused, "decode_attention_triton", spy)
     runs, held = {}, {}
-    for backend in ("torch", "triton"):
-        monkeypatch.setenv("KVCOMPRESS_KERNELS", backend)
-        with kvcompress.enabled(model):
-            cache = CompressedCache(model.config, cfg)
-            steps = [model(ids[:, :40], **with_cache(cache)).logits[:, -1]]
-            for i in range(40, ids.shape[1]):
-                steps.append(model(ids[:, i:i + 1], **with_cache(cache)).logits[:, -1])
-        runs[backend] = torch.stack(steps)
+    for backend, (runs[backend], cache) in on_both_backends(model, cfg, ids, 40, monkeypatch).items():
         held[backend] = [layer.sparse.positions(layer.held_tokens, layer.tail_k) for layer in cache.layers]
-        if backend == "torch":
-            assert not calls
     n_layers = len(cache.layers)
     assert len(calls) == 30 * n_layers and max(calls) >= 16  # every decode step of every layer; a body view
     if method == "h2o-heads":
