@@ -595,6 +595,7 @@ def test_full_precision_evicting_layers_decode_on_the_fused_kernel(model, method
         pytest.skip("run with TRITON_INTERPRET=1 to test the Triton kernel on CPU")
     pytest.importorskip("triton", reason="Triton is not installed (pip install triton)")
     import kvcompress.kernels.decode_attention_triton as fused
+    from kvcompress.sparse.ragged import RaggedHeads
 
     cfg = sparse_config(model, SPECS[method](24))
     ids = torch.randint(3, 256, (2, 70), generator=torch.Generator().manual_seed(13))
@@ -605,6 +606,13 @@ def test_full_precision_evicting_layers_decode_on_the_fused_kernel(model, method
         return kernel(q, parts, *args, **kwargs)
 
     monkeypatch.setattr(fused, "decode_attention_triton", spy)
+    padded, view = [], RaggedHeads.padded  # who builds the zero-padded view of a layer's per-head tokens
+
+    def watch(self):
+        padded.append(os.environ["KVCOMPRESS_KERNELS"])
+        return view(self)
+
+    monkeypatch.setattr(RaggedHeads, "padded", watch)
     runs, held = {}, {}
     for backend, (runs[backend], cache) in on_both_backends(model, cfg, ids, 40, monkeypatch).items():
         held[backend] = [layer.sparse.positions(layer.held_tokens, layer.tail_k) for layer in cache.layers]
@@ -612,6 +620,8 @@ def test_full_precision_evicting_layers_decode_on_the_fused_kernel(model, method
     assert len(calls) == 30 * n_layers and max(calls) >= 16  # every decode step of every layer; a body view
     if method == "h2o-heads":
         assert all(layer.ragged is not None for layer in cache.layers)  # the heads' own counts, packed
+        # the torch attention reads a padded view; the kernel's steps and the evictions read the packed tokens
+        assert "torch" in padded and "triton" not in padded
     assert (runs["triton"] - runs["torch"]).abs().max() / runs["torch"].abs().max() < 1e-4
     for a, b in zip(held["torch"], held["triton"]):
         assert torch.equal(a, b)
