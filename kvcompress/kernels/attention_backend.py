@@ -111,13 +111,15 @@ def fused_supported(layer) -> bool:
 
     if not getattr(layer, "is_initialized", False):
         return False
-    if not getattr(layer, "compressed", False):
-        return _lossless_sparse_supported(layer)
+    lossless = not getattr(layer, "compressed", False)
+    if lossless and not _lossless_sparse_supported(layer):
+        return False
     if getattr(layer, "mla_latent", False):  # absorbed MLA: kvcompress.kernels.mla_layer reads the parts
         from kvcompress.kernels.mla_layer import mla_fused_supported
 
         return mla_fused_supported(layer)
-    if not (stream_supported(layer.key_store.codec) and stream_supported(layer.value_store.codec)):
+    codecs = (layer.key_store.codec, layer.value_store.codec)
+    if not lossless and not all(stream_supported(c) for c in codecs):
         return False
     if layer.tail_k.dtype not in _DTYPES:
         return False
@@ -125,7 +127,7 @@ def fused_supported(layer) -> bool:
         if d < 16 or d & (d - 1):
             return False
     sparse = getattr(layer, "sparse", None)
-    if sparse is not None and sparse.policy.keeps_page_summaries:  # Quest: its pages must be body pages
+    if not lossless and sparse is not None and sparse.policy.keeps_page_summaries:  # Quest: body pages
         if sparse.policy.unread_means:
             return False  # it reads no page means (kvcompress.sparse.unread): the torch attention does
         page = layer.key_store.page_size
@@ -138,17 +140,13 @@ def _lossless_sparse_supported(layer) -> bool:
     kernel over its held tokens, read in place (kvcompress.kernels.parts: `dense_parts`, and `ragged_parts` for
     H2O's per-kv-head budgets), which also gives H2O the attention mass without the torch reference's fp32
     copy of the held K/V; one without a policy returns its tail as is, for SDPA. Not here: merged H2O (a size
-    bias per token) and Quest over full precision run on the torch path, as do layers that ever saw padding
-    (dead slots the kernel cannot mask)."""
+    bias per token), Quest over full precision and MLA latents run on the torch path, as do layers that ever
+    saw padding (dead slots the kernel cannot mask). The dtype and head dims are checked by the caller."""
     sparse = getattr(layer, "sparse", None)
     if sparse is None or getattr(layer, "mla_latent", False):
         return False
     policy = sparse.policy
-    if policy.keeps_page_summaries or getattr(policy, "merge", False):
-        return False
-    if sparse.pad_max or layer.tail_k.dtype not in _DTYPES:
-        return False
-    return all(d >= 16 and not d & (d - 1) for d in (layer.tail_k.shape[-1], layer.tail_v.shape[-1]))
+    return not (policy.keeps_page_summaries or getattr(policy, "merge", False) or sparse.pad_max)
 
 
 def defers_dense(layer, new_keys: torch.Tensor) -> bool:
