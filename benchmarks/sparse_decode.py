@@ -12,10 +12,14 @@ after the timed steps. Ratios are against the first cache of --kinds, measured i
 A kind is a preset name, or a preset with `-heads` (its H2O layers get per-kv-head budgets: shares drawn
 from 0.2 to 2.0 of the layer's budget, mean 1, as `kvcompress calibrate -p h2o-50` gives SmolLM2's heads),
 or with `@cat` (a full-precision sparse layer appends by concatenating, as before the in-place buffers of
-kvcompress.layout.grow).
+kvcompress.layout.grow), or with `@graph` (the decode steps replayed from a CUDA graph by kvcompress.DecodeGraph:
+quantized presets and H2O over quantized pages, e.g. `nuq4+h2o-20@graph`; after the prefill, so its warmup
+steps include the capture).
 
     PYTHONPATH=. python benchmarks/sparse_decode.py --layers 16 --batch 16 --prompt 8192 \
         --kinds dynamic,h2o-50,h2o-50-heads
+    PYTHONPATH=. python benchmarks/sparse_decode.py --layers 16 --batch 16 --prompt 8192 \
+        --kinds dynamic,nuq4,nuq4@graph,nuq4+h2o-20,nuq4+h2o-20@graph
     python benchmarks/sparse_decode.py --tiny    # a CPU smoke run
 """
 
@@ -65,14 +69,14 @@ def make_cache(kind: str, model):
     return CompressedCache(model.config, cfg)
 
 
-def busy_ms(model, token, cache, steps: int, device) -> float:
+def busy_ms(model, token, cache, steps: int, device, graph=None) -> float:
     """Device time per decode step (sum of the kernels' times) over `steps` profiled steps; 0 on the CPU."""
     if device.type != "cuda":
         return 0.0
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        e2e.decode(model, token, cache, steps)
+        e2e.decode(model, token, cache, steps, graph)
         e2e.sync(device)
     return sum(e.self_device_time_total for e in prof.key_averages()) / 1e3 / steps
 
@@ -100,18 +104,24 @@ def main(argv=None) -> None:
     for kind in args.kinds.split(","):
         ids = torch.randint(0, model.config.vocab_size, (batch, prompt),
                             generator=torch.Generator().manual_seed(1)).to(device)
-        cache = make_cache(kind, model)
+        cache = make_cache(kind.removesuffix("@graph"), model)
         t0 = time.perf_counter()
         token = e2e.prefill(model, ids, cache, chunk)
         e2e.sync(device)
         prefill_s = time.perf_counter() - t0
-        token = e2e.decode(model, token, cache, args.warmup)
+        graph = None
+        if kind.endswith("@graph"):
+            graph = kvcompress.DecodeGraph(model, cache, max_tokens=prompt + args.warmup + args.steps + 5,
+                                           use_graph=device.type == "cuda")
+        token = e2e.decode(model, token, cache, args.warmup, graph)
         e2e.sync(device)
-        ms = 1e3 * e2e.timed_decode(model, token, cache, args.steps, device) / args.steps
+        ms = 1e3 * e2e.timed_decode(model, token, cache, args.steps, device, graph) / args.steps
         held = e2e.cache_bytes(cache)
-        rows.append((kind, ms, busy_ms(model, token, cache, 4, device), held, prefill_s))
+        rows.append((kind, ms, busy_ms(model, token, cache, 4, device, graph), held, prefill_s))
         print(rows[-1], flush=True)
-        del cache, ids, token
+        if graph is not None:
+            graph.release()
+        del cache, ids, token, graph
     cache_module.append_in_place = append_in_place
 
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"

@@ -9,6 +9,7 @@ body in reserved buffers. What these prove:
 - the buffers the kernels read never move while the graph holds the cache (a replay reads them by address);
 - the layer's own view (held tokens, dense K/V, memory report) stays right, and `release()` hands back a
   growing cache that goes on equal to the reference;
+- an H2O layer over quantized pages (nuq4+h2o-20) evicts between the steps as the growing layer does;
 - bad use is a clear ConfigError.
 The CUDA graph itself (capture, replay) is tested on the GPU (tests/test_gpu.py).
 Tolerance: the two paths read the same bytes; only the kernels' split plans differ (the graph plans for the
@@ -110,6 +111,42 @@ def test_fixed_address_steps_equal_the_growing_cache(model, preset):
     )  # the reservation is charged
 
 
+@pytest.mark.parametrize("residual,prompt_len", [(2, 48), (16, 160)])  # a budget above the residual: pages held
+def test_h2o_steps_equal_the_growing_cache(model, residual, prompt_len):
+    """nuq4+h2o-20 (pages of 8): the graph's steps add the attention mass to a score buffer and the host evicts
+    between steps. Every step's logits equal the growing cache's, the evictions keep the same positions with
+    the same scores, the buffers the kernel reads never move, and the body's room is the budget's (plus a few
+    pages), not max_tokens'. After release() the cache grows and evicts as the reference does."""
+    steps, after = 20, 4
+    cfg, prompt, new = small_pages(model, "nuq4+h2o-20", residual), tokens(prompt_len), tokens(steps + after, seed=6)
+    ref, cache = prefilled(model, cfg, prompt), prefilled(model, cfg, prompt)
+    graph = DecodeGraph(model, cache, max_tokens=prompt_len + steps, use_graph=False)
+    addresses, evictions = None, 0
+    body = [layer.key_store.n_tokens for layer in cache.layers]
+    with torch.no_grad():
+        for i in range(steps + after):
+            if i == steps:
+                graph.release()
+            t = new[:, i : i + 1]
+            want = model(t, **with_cache(ref)).logits[:, -1]
+            got = graph.step(t) if i < steps else model(t, **with_cache(cache)).logits[:, -1]
+            torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
+            now_body = [layer.key_store.n_tokens for layer in cache.layers]
+            evictions += sum(n < was for n, was in zip(now_body, body))
+            body, layer = now_body, cache.layers[1]
+            if i < steps:
+                now = [x.data_ptr() for x in (*layer.key_store.buffers.values(), layer.static.tail_k,
+                                              layer.static.h2o.scores)]
+                assert addresses is None or now == addresses
+                addresses = now
+    assert evictions >= 2 and graph.eager_static_steps == steps
+    for a, b in zip(ref.layers, cache.layers):
+        assert a.held_tokens == b.held_tokens < 0.2 * (prompt_len + steps + after) + 2 * a.key_store.page_size
+        torch.testing.assert_close(b.sparse.pos.long(), a.sparse.pos.long(), rtol=0, atol=0)
+        torch.testing.assert_close(b.sparse.scores, a.sparse.scores)
+        assert b.key_store.capacity < prompt_len + steps - b.sink_k.shape[2] - residual  # not max_tokens' room
+
+
 def test_release_gives_back_a_growing_cache(model):
     cfg, prompt, new = small_pages(model, "nuq4"), tokens(PROMPT), tokens(12, seed=2)
     ref, cache = prefilled(model, cfg, prompt), prefilled(model, cfg, prompt)
@@ -203,9 +240,16 @@ def test_bad_use_is_a_clear_error(model):
     lossless = prefilled(model, KVCompressConfig.from_preset("none", model.config), prompt)
     with pytest.raises(ConfigError, match="lossless"):
         DecodeGraph(model, lossless, max_tokens=64, use_graph=False)
-    sparse = prefilled(model, KVCompressConfig.from_preset("nuq4+h2o-20", model.config), prompt)
-    with pytest.raises(ConfigError, match="sparse"):
+    quest = KVCompressConfig.from_preset("nuq4+quest-1024", model.config)
+    quest = KVCompressConfig(layout=quest.layout, layers=[
+        replace(p, sparsity=replace(p.sparsity, dense_layers=0)) for p in quest.layers], name="quest-all")
+    sparse = prefilled(model, quest, prompt)
+    with pytest.raises(ConfigError, match="sparse.*not Quest"):
         DecodeGraph(model, sparse, max_tokens=64, use_graph=False)
+    h2o, mask = prefilled(model, small_pages(model, "nuq4+h2o-20"), prompt), torch.ones(2, PROMPT, dtype=torch.long)
+    mask[1, :3] = 0
+    with pytest.raises(ConfigError, match="without padding"):
+        DecodeGraph(model, h2o, max_tokens=64, use_graph=False, attention_mask=mask)
     with pytest.raises(ConfigError, match="prefill"):
         DecodeGraph(model, CompressedCache(model.config, cfg), max_tokens=64, use_graph=False)
     kvcompress.disable(model)

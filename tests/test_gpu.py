@@ -530,9 +530,9 @@ def _graph_config(preset, model):
 
 
 @torch.no_grad()
-def _replay_against_eager(model, cfg, seed: int, steps: int = 72):
+def _replay_against_eager(model, cfg, seed: int, steps: int = 72, padded: bool = True):
     """Three caches (growing, eager fixed-address, replayed) of `cfg` prefilled with the same 600-token prompt,
-    batch 3 with row 2 left-padded by 100 tokens; teacher-force `steps` tokens through all three -> (graph,
+    batch 3 with row 2 left-padded by 100 tokens (unless not `padded`); teacher-force `steps` tokens through all three -> (graph,
     eager graph, worst |replayed - eager| and worst |replayed - growing| over the logit scale, rows whose
     greedy token equals the growing cache's, the caches)."""
     import kvcompress
@@ -543,14 +543,15 @@ def _replay_against_eager(model, cfg, seed: int, steps: int = 72):
     prompt = torch.randint(3, 512, (3, 600), generator=g).to(DEV)
     new = torch.randint(3, 512, (3, steps), generator=g).to(DEV)
     mask = torch.ones(3, 600, dtype=torch.long, device=DEV)
-    mask[2, :100] = 0
+    mask[2, :100] = 0 if padded else 1
     caches = [CompressedCache(model.config, cfg) for _ in range(3)]
     for c in caches:
         model(prompt, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp_min(0), **with_cache(c))
     grow, eager, replayed = caches
     b, top = new.shape[0], mask.shape[1] + steps
-    eager_graph = kvcompress.DecodeGraph(model, eager, max_tokens=top, use_graph=False, attention_mask=mask)
-    graph = kvcompress.DecodeGraph(model, replayed, max_tokens=top, use_graph=True, attention_mask=mask)
+    given = mask if padded else None
+    eager_graph = kvcompress.DecodeGraph(model, eager, max_tokens=top, use_graph=False, attention_mask=given)
+    graph = kvcompress.DecodeGraph(model, replayed, max_tokens=top, use_graph=True, attention_mask=given)
     worst_eager = worst_grow = 0.0
     same = 0
     for i in range(steps):
@@ -591,6 +592,37 @@ def test_decode_graph_replays_the_step(preset):
     assert worst_grow <= 2e-2, worst_grow
     assert same >= 0.95 * 3 * steps, same
     assert caches[2].get_seq_length() == caches[0].get_seq_length() == 600 + steps  # replayed, growing
+
+
+def test_decode_graph_replays_h2o():
+    """nuq4+h2o-20 over the same model as above, batch 3 without padding (a graph holds H2O layers of unpadded
+    batches), 600-token prompt, 72 teacher-forced steps (an eviction about every page): the replayed steps
+    equal the eager fixed-address steps, which evict between steps as the replayed ones do, and the growing
+    cache's steps within bf16 rounding, with the same greedy token in at least 95 % of the rows; the
+    replayed cache holds what the eager fixed-address one holds (positions kept), within the budget."""
+    import kvcompress
+    from conftest import make_tiny_model
+
+    if DEV != "cuda":
+        pytest.skip("CUDA graphs need a GPU")
+    model = make_tiny_model("llama", hidden_size=1024, num_attention_heads=8, num_key_value_heads=2, head_dim=128,
+                            num_hidden_layers=4, intermediate_size=1024, vocab_size=512,
+                            max_position_embeddings=2048).to(DEV, torch.bfloat16)
+    kvcompress.enable(model)
+    steps = 72
+    graph, eager_graph, worst_eager, worst_grow, same, caches = _replay_against_eager(
+        model, "nuq4+h2o-20", seed=54, steps=steps, padded=False)
+    kvcompress.disable(model)
+    assert graph.graph is not None and eager_graph.graph is None
+    assert worst_eager <= 1e-2, worst_eager
+    assert worst_grow <= 2e-2, worst_grow
+    assert same >= 0.95 * 3 * steps, same
+    graph.release()
+    eager_graph.release()
+    grow, eager, replayed = caches
+    for a, b in zip(eager.layers, replayed.layers):
+        assert torch.equal(a.sparse.pos, b.sparse.pos)
+        assert b.held_tokens <= 0.2 * (600 + steps) + 2 * b.key_store.page_size
 
 
 @torch.no_grad()

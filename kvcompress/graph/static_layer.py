@@ -13,6 +13,9 @@ and every buffer it reads must stay where it was at capture. `StaticLayer` gives
   would fill the tail (when it holds R + P - 1 tokens, its oldest P are all known), so the cache holds
   exactly what the growing layer holds after every step (with R = 0 the page is encoded after the step
   that fills it: that step read its P tokens exact).
+- an H2O layer over quantized pages (kvcompress.graph.static_h2o) reserves room for its budget, not for
+  `max_tokens`: the step adds the attention mass to a score buffer, and `advance` evicts when the growing
+  layer would, gathering the kept pages to the front of the buffers in place.
 
 Shapes: tail buffers [B, H, R + P, D] in the model dtype; the new token [B, H, 1, D].
 """
@@ -24,6 +27,7 @@ import weakref
 import torch
 
 from kvcompress.config import ConfigError
+from kvcompress.graph.static_h2o import StaticH2O, h2o_room_pages, static_h2o_supported
 from kvcompress.kernels.attention_backend import defers_dense
 from kvcompress.kernels.parts import AttentionParts, PackedStream
 
@@ -31,10 +35,11 @@ from kvcompress.kernels.parts import AttentionParts, PackedStream
 class StaticLayer:
     def __init__(self, layer, max_tokens: int):
         p = layer.policy
-        if not layer.is_initialized or not layer.compressed or layer.sparse is not None:
+        if not layer.is_initialized or not layer.compressed or (
+                layer.sparse is not None and not static_h2o_supported(layer)):
             raise ConfigError(
                 f"layer {layer.layer_idx}: a captured decode step needs a compressed layer without a "
-                "sparsity policy (quantization presets such as nuq4, int4, fp8)"
+                "sparsity policy (quantization presets such as nuq4, int4, fp8) or with H2O (nuq4+h2o-20)"
             )
         if layer.key_store.n_tokens == 0:
             raise ConfigError(f"layer {layer.layer_idx} holds no packed page yet: decode until it does")
@@ -44,9 +49,12 @@ class StaticLayer:
         self.page, self.residual = p.page_size, p.residual
         self.max_tokens = max_tokens
         pages = -(-max(max_tokens - layer.sink_k.shape[2] - p.residual, 0) // p.page_size) + 1
+        if layer.sparse is not None:  # H2O: its budget bounds the body
+            pages = min(pages, h2o_room_pages(layer, max_tokens))
         layer.key_store.reserve(pages)
         layer.value_store.reserve(pages)
         size = p.residual + p.page_size
+        self.h2o = StaticH2O(layer, layer.key_store.capacity, size) if layer.sparse is not None else None
         self.tail_k = self._buffer(layer.tail_k, size)
         self.tail_v = self._buffer(layer.tail_v, size)
         self.n_tail = layer.tail_k.shape[2]
@@ -107,8 +115,20 @@ class StaticLayer:
     # -- on the host, after each step ---------------------------------------------------------------
     def advance(self) -> None:
         """Account for one step that ran: tokens seen, the tail's length, and the next page when due."""
-        self.layer.cumulative_length += 1
+        layer = self.layer
+        layer.cumulative_length += 1
         self.n_tail += 1
+        if self.h2o is not None:
+            # evict after the step with the tokens split between body and tail as the growing layer had them:
+            # it encodes a page before the attention of the step that fills its tail (R = 0: that step's)
+            if not self.residual:
+                self._flush_if_due()
+            self._views()
+            if self.h2o.evict(layer):
+                self.body_len.fill_(layer.key_store.n_tokens)
+            state = layer.sparse
+            state.read_held, state.read_index = layer.held_tokens, None
+            state.read_body = (layer.sink_k.shape[2], layer.key_store.n_tokens)
         self._flush_if_due()
         self._views()
 
@@ -122,6 +142,8 @@ class StaticLayer:
                 f"the decode graph was built for max_tokens={self.max_tokens} and layer "
                 f"{self.layer.layer_idx} is full; build a new DecodeGraph with a larger max_tokens"
             )
+        if self.h2o is not None:
+            self.h2o.flush(self.layer.sparse, ks.n_tokens, self.n_tail, p, self.layer.cumulative_length)
         ks.append(self.tail_k[:, :, :p])
         vs.append(self.tail_v[:, :, :p])
         rest = self.n_tail - p
@@ -138,6 +160,8 @@ class StaticLayer:
 
     def release(self) -> None:
         """Back to a growing layer (the tail copied out; the body keeps its reservation until it is full)."""
+        if self.h2o is not None:
+            self.h2o.release(self.layer)
         self.layer.tail_k = self.tail_k[:, :, : self.n_tail].clone()
         self.layer.tail_v = self.tail_v[:, :, : self.n_tail].clone()
         self.layer.static = None

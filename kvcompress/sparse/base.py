@@ -27,7 +27,6 @@ from dataclasses import dataclass
 import torch
 
 from kvcompress.config import ConfigError, SparsitySpec
-from kvcompress.quant.base import FieldKind
 
 
 @dataclass
@@ -208,25 +207,10 @@ def _compact_pages(layer, state, key: torch.Tensor, n_keep: int) -> None:
     if keep_pages == n_pages:
         return
     pages = top_indices(page_key, keep_pages)  # [B, H, keep_pages]
-    for store in (layer.key_store, layer.value_store):
-        _gather_pages(store, pages)
+    layer.key_store.keep_pages(pages)
+    layer.value_store.keep_pages(pages)
     body_idx = (pages[..., None] * page + torch.arange(page, device=pages.device)).flatten(2) + n_sink
     b, h = key.shape[:2]
     arange = lambda lo, hi: torch.arange(lo, hi, device=key.device).expand(b, h, hi - lo)  # noqa: E731
     kept = torch.cat([arange(0, n_sink), body_idx, arange(n_sink + n_body, n_sink + n_body + n_tail)], -1)
     state.gather(kept, n_sink + n_body + n_tail)
-
-
-def _gather_pages(store, pages: torch.Tensor) -> None:
-    """Keep pages [B, H, n] (sorted) of a PagedStore; TOKEN and PAGE fields are gathered as they are."""
-    page = store.page_size
-    for name, t in store.data.items():
-        if store.kinds[name][0] == FieldKind.TOKEN:
-            paged = t.reshape(t.shape[:2] + (t.shape[2] // page, page) + t.shape[3:])
-            kept = gather_tokens(paged, pages)
-            store.data[name] = kept.reshape(kept.shape[:2] + (-1,) + t.shape[3:])
-        elif store.kinds[name][0] == FieldKind.PAGE:
-            store.data[name] = gather_tokens(t, pages)
-    store.n_tokens = pages.shape[-1] * page
-    if store.n_tokens == 0:
-        store.data = {}

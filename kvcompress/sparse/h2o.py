@@ -56,12 +56,25 @@ class H2OPolicy(SparsePolicy):
         state.count_padding(valid, q)  # the rows' budgets follow their real tokens
         old = state.scores if state.scores is not None else mass.new_zeros(mass.shape[:2] + (held - q,))
         state.scores = torch.cat([old, old.new_zeros(old.shape[:2] + (q,))], dim=2) + mass.float()
-        slack = 0 if q > 1 else (self.page_size if not layer.compressed else layer.key_store.page_size)
+        if self.due(layer, state, held, q):
+            self.evict(layer, state, valid, q)
+
+    def slack(self, layer, q: int) -> int:
+        """Tokens a layer may hold past its budget before it evicts: a page while decoding, none at prefill."""
+        return 0 if q > 1 else (self.page_size if not layer.compressed else layer.key_store.page_size)
+
+    def due(self, layer, state, held: int, q: int) -> bool:
+        """Whether a layer holding `held` tokens after a step of q may be over a row's (or head's) budget: False
+        when even the smallest budget covers it (host integers only, no wait on the device)."""
         least = self.token_budget(state.least_seen(layer.cumulative_length))
         if self.head_shares:  # the smallest head's budget
             least = max(1, math.ceil(min(self.head_shares) * least))
-        if held <= least + slack:
-            return  # no row (or head) can be over its budget (the smallest is at least this)
+        return held > least + self.slack(layer, q)
+
+    def evict(self, layer, state, valid, q: int) -> None:
+        """Evict down to each row's budget from the accumulated `state.scores` [B, H, held] (valid: [B, H, held],
+        False on padding), where `due` says a row may be over it."""
+        slack = self.slack(layer, q)
         budgets = self.row_budgets(state.seen_rows(layer.cumulative_length, valid))  # [B]: what each row alone would get
         if self.head_shares:
             self._evict_heads(layer, state, valid, self._head_budgets(budgets).to(valid.device), slack)
