@@ -12,7 +12,9 @@ fixed-address steps eagerly elsewhere). Greedy search and sampling with the conf
 (temperature, top-k, top-p, repetition penalty, ...) and stopping criteria (max length, EOS) work as in
 transformers' own loop; rows that finished get the pad token. Beam search, assisted decoding and
 `return_dict_in_generate` are not supported (a clear error says so). Prompts of different lengths are
-left-padded as usual: the attention mask gives each row's start.
+left-padded as usual: the attention mask gives each row's start. A graph holds H2O layers of unpadded
+batches only: a padded batch over an H2O cache decodes its steps eagerly here (`EagerSteps`), with
+generate()'s mask and positions, so the call still works.
 """
 
 from __future__ import annotations
@@ -83,7 +85,10 @@ def graph_generate(
         unfinished &= ~stopping_criteria(input_ids, scores)
         if not bool(unfinished.any()) or input_ids.shape[1] >= max_length:
             break
-        if graph is None:
+        if graph is None and positions is not None and any(
+                getattr(layer, "sparse", None) is not None for layer in cache.layers):
+            graph = EagerSteps(model, cache, mask)
+        elif graph is None:
             graph = DecodeGraph(
                 model, cache, max_tokens=max_length, attention_mask=mask if positions is not None else None
             )
@@ -93,3 +98,24 @@ def graph_generate(
     if graph is not None:
         graph.release()
     return input_ids
+
+
+class EagerSteps:
+    """Decode steps as plain forwards, with DecodeGraph's `step` / `release`: for a cache a graph cannot hold
+    (H2O over a left-padded batch). mask [B, T]: the prompt's attention mask; each step extends it and takes
+    generate()'s positions (each row counts from its first real token)."""
+
+    def __init__(self, model, cache, mask: torch.Tensor):
+        self.model, self.cache, self.mask = model, cache, mask
+
+    def step(self, token: torch.Tensor) -> torch.Tensor:
+        """token [B, 1] -> logits [B, vocab] of the next one."""
+        from kvcompress.compat import with_cache
+
+        self.mask = torch.cat([self.mask, self.mask.new_ones(self.mask.shape[0], 1)], 1)
+        positions = self.mask.sum(-1, keepdim=True) - 1
+        return self.model(token, attention_mask=self.mask, position_ids=positions, use_cache=True, logits_to_keep=1,
+                          **with_cache(self.cache)).logits[:, -1]
+
+    def release(self) -> None:
+        """Nothing to give back: the cache grew as usual."""
