@@ -90,14 +90,15 @@ class PagedStore:
         """Keep only pages [B, H, n] of each (batch row, kv head), sorted (an H2O eviction); TOKEN and PAGE fields
         are gathered as they are, never re-encoded. With reserved room the kept pages move to the front of the
         buffers, which stay where they are (a decode graph reads them by address)."""
+        from kvcompress.sparse.base import gather_tokens  # here: the sparse package imports the layout
+
         p, n = self.page_size, pages.shape[-1]
         for name, t in self.data.items():
             kind = self.kinds[name][0]
             if kind not in (FieldKind.TOKEN, FieldKind.PAGE):
                 continue
             paged = t.reshape(t.shape[:2] + (t.shape[2] // p, p) + t.shape[3:]) if kind == FieldKind.TOKEN else t
-            idx = pages.reshape(pages.shape + (1,) * (paged.dim() - 3)).expand(pages.shape + paged.shape[3:])
-            kept = paged.gather(2, idx)
+            kept = gather_tokens(paged, pages)
             kept = kept.reshape(kept.shape[:2] + (-1,) + t.shape[3:])
             if self.buffers:
                 self.buffers[name][:, :, : kept.shape[2]].copy_(kept)
