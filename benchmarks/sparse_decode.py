@@ -6,7 +6,9 @@ the GPU. Each cache prefills the same random prompt (--batch x --prompt tokens, 
 --steps eager greedy steps with CUDA events (ms/step), and profiles 4 more steps for the time the device
 was busy (the sum of kernel times, ms/step), which does not depend on how fast the host launches kernels:
 at these sizes eager transformers is bound by the host, and a step with an eviction in it weighs more in
-4 profiled steps than in the timed ones. Bytes held: `memory_report()` (the K/V tensors for DynamicCache),
+4 profiled steps than in the timed ones. Evictions: H2O evictions per layer during the timed steps (counted
+by wrapping `H2OPolicy.evict`, which the growing layers and the graph's StaticH2O both call), so a row says
+whether its timed steps paid for any. Bytes held: `memory_report()` (the K/V tensors for DynamicCache),
 after the timed steps. Ratios are against the first cache of --kinds, measured in the same run.
 
 A kind is a preset name, or a preset with `-heads` (its H2O layers get per-kv-head budgets: shares drawn
@@ -40,6 +42,23 @@ import kvcompress
 import kvcompress.cache as cache_module
 from kvcompress.cache import CompressedCache
 from kvcompress.layout.grow import append_in_place
+from kvcompress.sparse.h2o import H2OPolicy
+
+EVICTIONS = [0]
+
+
+def count_evictions() -> None:
+    """Wrap H2OPolicy.evict (once) so that EVICTIONS[0] counts its calls, over all layers."""
+    evict = H2OPolicy.evict
+    if getattr(evict, "counted", False):
+        return
+
+    def counted(self, *args, **kwargs):
+        EVICTIONS[0] += 1
+        return evict(self, *args, **kwargs)
+
+    counted.counted = True
+    H2OPolicy.evict = counted
 
 
 def head_shares(n_heads: int, seed: int = 0) -> list[float]:
@@ -99,6 +118,7 @@ def main(argv=None) -> None:
     chunk = args.chunk or (64 if args.tiny else 2048)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = e2e.build_model(args.tiny, device)
+    count_evictions()
 
     rows = []
     for kind in args.kinds.split(","):
@@ -115,9 +135,11 @@ def main(argv=None) -> None:
                                            use_graph=device.type == "cuda")
         token = e2e.decode(model, token, cache, args.warmup, graph)
         e2e.sync(device)
+        EVICTIONS[0] = 0
         ms = 1e3 * e2e.timed_decode(model, token, cache, args.steps, device, graph) / args.steps
+        evictions = EVICTIONS[0] / shape["num_hidden_layers"]
         held = e2e.cache_bytes(cache)
-        rows.append((kind, ms, busy_ms(model, token, cache, 4, device, graph), held, prefill_s))
+        rows.append((kind, ms, busy_ms(model, token, cache, 4, device, graph), held, prefill_s, evictions))
         print(rows[-1], flush=True)
         if graph is not None:
             graph.release()
@@ -128,12 +150,12 @@ def main(argv=None) -> None:
     print(f"\nsparse decode, {datetime.date.today()}, {gpu}, {shape['num_hidden_layers']} layers of Llama-3.1-8B "
           f"shape{' (tiny)' if args.tiny else ''}, batch {batch}, prompt {prompt}, {args.steps} timed steps after "
           f"{args.warmup}")
-    print("| cache | ms/step (eager) | speed | device busy ms/step | speed | bytes held | prefill s |")
-    print("|---|---|---|---|---|---|---|")
+    print("| cache | ms/step | speed | device busy ms/step | speed | evictions/layer | bytes held | prefill s |")
+    print("|---|---|---|---|---|---|---|---|")
     base_ms, base_busy, base_held = rows[0][1], rows[0][2] or 1.0, rows[0][3]
-    for kind, ms, busy, held, prefill_s in rows:
+    for kind, ms, busy, held, prefill_s, evictions in rows:
         print(f"| {kind} | {ms:.2f} | {base_ms / ms:.2f}x | {busy:.2f} | {base_busy / busy if busy else 0:.2f}x | "
-              f"{held / base_held:.3f} | {prefill_s:.1f} |")
+              f"{evictions:g} | {held / base_held:.3f} | {prefill_s:.1f} |")
 
 
 if __name__ == "__main__":
