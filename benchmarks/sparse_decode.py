@@ -15,8 +15,8 @@ A kind is a preset name, or a preset with `-heads` (its H2O layers get per-kv-he
 from 0.2 to 2.0 of the layer's budget, mean 1, as `kvcompress calibrate -p h2o-50` gives SmolLM2's heads),
 or with `@cat` (a full-precision sparse layer appends by concatenating, as before the in-place buffers of
 kvcompress.layout.grow), or with `@graph` (the decode steps replayed from a CUDA graph by kvcompress.DecodeGraph:
-quantized presets and H2O over quantized pages, e.g. `nuq4+h2o-20@graph`; after the prefill, so its warmup
-steps include the capture).
+quantized presets, H2O and Quest over quantized pages, e.g. `nuq4+h2o-20@graph`, `nuq4+quest-1024@graph`;
+after the prefill, so its warmup steps include the capture).
 
     PYTHONPATH=. python benchmarks/sparse_decode.py --layers 16 --batch 16 --prompt 8192 \
         --kinds dynamic,h2o-50,h2o-50-heads

@@ -22,7 +22,8 @@ def main():
 @click.option("--chat/--no-chat", default=True, show_default=True, help="Wrap the prompt in the chat template.")
 @click.option("--graph", is_flag=True,
               help="Decode through kvcompress.DecodeGraph: the fused kernels, each step replayed from one CUDA "
-                   "graph (a GPU, and a quantization preset, alone or with H2O as in nuq4+h2o-20).")
+                   "graph (a GPU, and a quantization preset, alone or with H2O or Quest as in nuq4+h2o-20, "
+                   "nuq4+quest-1024).")
 def generate(model, prompt, preset, max_new_tokens, device, chat, graph):
     """Generate greedily with a CompressedCache and print the text, the decode time and the memory report."""
     import time

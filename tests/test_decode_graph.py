@@ -10,6 +10,7 @@ body in reserved buffers. What these prove:
 - the layer's own view (held tokens, dense K/V, memory report) stays right, and `release()` hands back a
   growing cache that goes on equal to the reference;
 - an H2O layer over quantized pages (nuq4+h2o-20) evicts between the steps as the growing layer does;
+- a Quest layer over quantized pages (nuq4+quest-1024) reads the same pages as the growing layer;
 - bad use is a clear ConfigError.
 The CUDA graph itself (capture, replay) is tested on the GPU (tests/test_gpu.py).
 Tolerance: the two paths read the same bytes; only the kernels' split plans differ (the graph plans for the
@@ -147,6 +148,52 @@ def test_h2o_steps_equal_the_growing_cache(model, residual, prompt_len):
         assert b.key_store.capacity < prompt_len + steps - b.sink_k.shape[2] - residual  # not max_tokens' room
 
 
+def small_quest(model, budget: int, residual: int = 2, sinks: int = 0, **sparsity) -> KVCompressConfig:
+    """nuq4+quest-1024 with pages of 8 (the body's and Quest's), a budget of `budget` tokens, every layer sparse."""
+    cfg = KVCompressConfig.from_preset("nuq4+quest-1024", model.config)
+    layers = [replace(p, page_size=8, residual=residual, sinks=sinks, sparsity=replace(
+        p.sparsity, page_size=8, budget=budget, dense_layers=0, **sparsity)) for p in cfg.layers]
+    return KVCompressConfig(layout=cfg.layout, layers=layers, name=f"quest-{budget}-p8")
+
+
+@pytest.mark.parametrize("residual,prompt_len,sinks", [(2, 48, 0), (16, 160, 8)])
+def test_quest_steps_equal_the_growing_cache(model, residual, prompt_len, sinks):
+    """nuq4+quest (pages of 8, a 40-token budget: 2 to 4 pages read of up to 22, sink pages forced in): the
+    graph's steps score the page summaries in their fixed buffers and take the top pages by device counts the
+    host sets. Every step's logits equal the growing cache's, the tokens read are the growing layer's
+    selection, the buffers never move, and after release() the layer's summaries and pending keys are the
+    growing layer's, so it goes on equal. (With residual 0 a graph step reads the newest page exact, as for
+    every graph: kvcompress.graph.static_layer.)"""
+    steps, after = 20, 4
+    cfg, new = small_quest(model, 40, residual, sinks), tokens(steps + after, seed=8)
+    prompt = tokens(prompt_len)
+    ref, cache = prefilled(model, cfg, prompt), prefilled(model, cfg, prompt)
+    graph = DecodeGraph(model, cache, max_tokens=prompt_len + steps, use_graph=False)
+    addresses = None
+    with torch.no_grad():
+        for i in range(steps + after):
+            if i == steps:
+                graph.release()
+            t = new[:, i : i + 1]
+            want = model(t, **with_cache(ref)).logits[:, -1]
+            got = graph.step(t) if i < steps else model(t, **with_cache(cache)).logits[:, -1]
+            torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
+            for a, b in zip(ref.layers, cache.layers):
+                assert b.sparse.tokens_read == a.sparse.tokens_read < a.held_tokens
+                torch.testing.assert_close(b.sparse.read_index, a.sparse.read_index, rtol=0, atol=0)
+            layer = cache.layers[1]
+            if i < steps:
+                now = [x.data_ptr() for x in (*layer.key_store.buffers.values(), layer.static.tail_k,
+                                              layer.static.quest.page_min)]
+                assert addresses is None or now == addresses
+                addresses = now
+    assert graph.eager_static_steps == steps
+    for a, b in zip(ref.layers, cache.layers):
+        assert a.held_tokens == b.held_tokens == prompt_len + steps + after  # Quest evicts nothing
+        for name in ("page_min", "page_max", "pending_keys"):
+            torch.testing.assert_close(getattr(b.sparse, name), getattr(a.sparse, name), rtol=0, atol=0)
+
+
 def test_release_gives_back_a_growing_cache(model):
     cfg, prompt, new = small_pages(model, "nuq4"), tokens(PROMPT), tokens(12, seed=2)
     ref, cache = prefilled(model, cfg, prompt), prefilled(model, cfg, prompt)
@@ -240,11 +287,8 @@ def test_bad_use_is_a_clear_error(model):
     lossless = prefilled(model, KVCompressConfig.from_preset("none", model.config), prompt)
     with pytest.raises(ConfigError, match="lossless"):
         DecodeGraph(model, lossless, max_tokens=64, use_graph=False)
-    quest = KVCompressConfig.from_preset("nuq4+quest-1024", model.config)
-    quest = KVCompressConfig(layout=quest.layout, layers=[
-        replace(p, sparsity=replace(p.sparsity, dense_layers=0)) for p in quest.layers], name="quest-all")
-    sparse = prefilled(model, quest, prompt)
-    with pytest.raises(ConfigError, match="sparse.*not Quest"):
+    sparse = prefilled(model, small_quest(model, 16, budget_sharing="heads"), prompt)
+    with pytest.raises(ConfigError, match="sparse.*Quest with budget sharing"):
         DecodeGraph(model, sparse, max_tokens=64, use_graph=False)
     h2o, mask = prefilled(model, small_pages(model, "nuq4+h2o-20"), prompt), torch.ones(2, PROMPT, dtype=torch.long)
     mask[1, :3] = 0

@@ -15,8 +15,9 @@ the host, not the GPU, sets the pace (BENCHMARKS.md). A CUDA graph replays the w
 What it needs: the fused path (`kvcompress.enable(model)`, CUDA or KVCOMPRESS_KERNELS=triton), every cache
 layer compressed without a sparsity policy (the quantization presets; for MLA models, a latent the fused MLA
 kernel reads: kvcompress.kernels.mla_layer) or with H2O over its pages (`nuq4+h2o-20`: the step adds the
-attention mass to a score buffer and the host evicts between replays, kvcompress.graph.static_h2o; batches
-without padding), and `max_tokens` (prompt + new tokens): the packed body reserves room for it, so its buffers never move. A batch of prompts of different
+attention mass to a score buffer and the host evicts between replays, kvcompress.graph.static_h2o) or Quest
+(`nuq4+quest-1024`: the step scores the page summaries and takes the top pages, kvcompress.graph.static_quest;
+both for batches without padding), and `max_tokens` (prompt + new tokens): the packed body reserves room for it, so its buffers never move. A batch of prompts of different
 lengths, left-padded as `generate()` pads them, passes the prompt's 2-D `attention_mask` [B, T]: each row
 then attends from its first real token, and its positions count from there (as generate's do).
 The prefill must have used the same positions (`position_ids = attention_mask.cumsum(-1) - 1`).
@@ -50,7 +51,7 @@ class DecodeGraph:
         attention_mask: torch.Tensor | None = None,
     ):
         from kvcompress.cache import CompressedCache, CompressedLayer
-        from kvcompress.graph.static_h2o import static_h2o_supported
+        from kvcompress.graph.static_layer import static_sparse_supported
         from kvcompress.kernels.attention_backend import left_padding
         from kvcompress.kernels.backend import select_backend
 
@@ -74,12 +75,12 @@ class DecodeGraph:
                 )
             if not layer.is_initialized:
                 raise ConfigError("prefill the prompt through the cache before building a DecodeGraph")
-            if not layer.compressed or (layer.sparse is not None and not static_h2o_supported(layer)):
+            if not layer.compressed or (layer.sparse is not None and not static_sparse_supported(layer)):
                 raise ConfigError(
                     f"layer {layer.layer_idx} is {'lossless' if not layer.compressed else 'sparse'}: a "
                     "captured step needs every layer quantized (nuq4, int4, fp8, ...), with no sparsity policy "
-                    "or with H2O over its pages (nuq4+h2o-20; not Quest, StreamingLLM, SnapKV, merged H2O or "
-                    "per-kv-head budgets)"
+                    "or with H2O or Quest over its pages (nuq4+h2o-20, nuq4+quest-1024; not StreamingLLM, SnapKV, "
+                    "merged H2O, per-kv-head budgets, Quest with budget sharing or page means)"
                 )
         seen = cache.get_seq_length()
         if max_tokens <= seen:
@@ -111,8 +112,9 @@ class DecodeGraph:
                 )
             if starts is not None and any(layer.sparse is not None for layer in cache.layers):
                 raise ConfigError(
-                    "DecodeGraph holds H2O layers for batches without padding only (an evicting layer's "
-                    "positions no longer follow the mask); decode a padded batch eagerly"
+                    "DecodeGraph holds sparse layers (H2O, Quest) for batches without padding only (an evicting "
+                    "layer's positions no longer follow the mask; Quest's pages of padding are not masked); "
+                    "decode a padded batch eagerly"
                 )
             if starts is not None:
                 self.row_starts, self.pads = starts, starts.to(torch.long).view(batch, 1)

@@ -12,8 +12,8 @@ fixed-address steps eagerly elsewhere). Greedy search and sampling with the conf
 (temperature, top-k, top-p, repetition penalty, ...) and stopping criteria (max length, EOS) work as in
 transformers' own loop; rows that finished get the pad token. Beam search, assisted decoding and
 `return_dict_in_generate` are not supported (a clear error says so). Prompts of different lengths are
-left-padded as usual: the attention mask gives each row's start. A graph holds H2O layers of unpadded
-batches only: a padded batch over an H2O cache decodes its steps eagerly here (`EagerSteps`), with
+left-padded as usual: the attention mask gives each row's start. A graph holds sparse layers (H2O, Quest) of
+unpadded batches only: a padded batch over a sparse cache decodes its steps eagerly here (`EagerSteps`), with
 generate()'s mask and positions, so the call still works.
 """
 
@@ -102,7 +102,7 @@ def graph_generate(
 
 class EagerSteps:
     """Decode steps as plain forwards, with DecodeGraph's `step` / `release`: for a cache a graph cannot hold
-    (H2O over a left-padded batch). mask [B, T]: the prompt's attention mask; each step extends it and takes
+    (H2O or Quest over a left-padded batch). mask [B, T]: the prompt's attention mask; each step extends it and takes
     generate()'s positions (each row counts from its first real token)."""
 
     def __init__(self, model, cache, mask: torch.Tensor):

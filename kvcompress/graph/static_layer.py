@@ -16,6 +16,9 @@ and every buffer it reads must stay where it was at capture. `StaticLayer` gives
 - an H2O layer over quantized pages (kvcompress.graph.static_h2o) reserves room for its budget, not for
   `max_tokens`: the step adds the attention mass to a score buffer, and `advance` evicts when the growing
   layer would, gathering the kept pages to the front of the buffers in place.
+- a Quest layer over quantized pages (kvcompress.graph.static_quest) keeps its page summaries in buffers
+  for the whole reservation: the step scores them and takes the top pages as the growing layer does, and a
+  page's summary is written when the page is flushed into the body.
 
 Shapes: tail buffers [B, H, R + P, D] in the model dtype; the new token [B, H, 1, D].
 """
@@ -28,18 +31,25 @@ import torch
 
 from kvcompress.config import ConfigError
 from kvcompress.graph.static_h2o import StaticH2O, h2o_room_pages, static_h2o_supported
+from kvcompress.graph.static_quest import StaticQuest, static_quest_supported
 from kvcompress.kernels.attention_backend import defers_dense
 from kvcompress.kernels.parts import AttentionParts, PackedStream
+
+
+def static_sparse_supported(layer) -> bool:
+    """Whether a decode graph can hold this sparse layer (H2O or Quest over quantized pages)."""
+    return static_h2o_supported(layer) or static_quest_supported(layer)
 
 
 class StaticLayer:
     def __init__(self, layer, max_tokens: int):
         p = layer.policy
         if not layer.is_initialized or not layer.compressed or (
-                layer.sparse is not None and not static_h2o_supported(layer)):
+                layer.sparse is not None and not static_sparse_supported(layer)):
             raise ConfigError(
                 f"layer {layer.layer_idx}: a captured decode step needs a compressed layer without a "
-                "sparsity policy (quantization presets such as nuq4, int4, fp8) or with H2O (nuq4+h2o-20)"
+                "sparsity policy (quantization presets such as nuq4, int4, fp8) or with H2O (nuq4+h2o-20) or "
+                "Quest (nuq4+quest-1024)"
             )
         if layer.key_store.n_tokens == 0:
             raise ConfigError(f"layer {layer.layer_idx} holds no packed page yet: decode until it does")
@@ -49,12 +59,14 @@ class StaticLayer:
         self.page, self.residual = p.page_size, p.residual
         self.max_tokens = max_tokens
         pages = -(-max(max_tokens - layer.sink_k.shape[2] - p.residual, 0) // p.page_size) + 1
-        if layer.sparse is not None:  # H2O: its budget bounds the body
+        if static_h2o_supported(layer):  # H2O: its budget bounds the body
             pages = min(pages, h2o_room_pages(layer, max_tokens))
         layer.key_store.reserve(pages)
         layer.value_store.reserve(pages)
         size = p.residual + p.page_size
-        self.h2o = StaticH2O(layer, layer.key_store.capacity, size) if layer.sparse is not None else None
+        self.h2o = StaticH2O(layer, layer.key_store.capacity, size) if static_h2o_supported(layer) else None
+        quest = static_quest_supported(layer)
+        self.quest = StaticQuest(layer, layer.key_store.capacity, max_tokens) if quest else None
         self.tail_k = self._buffer(layer.tail_k, size)
         self.tail_v = self._buffer(layer.tail_v, size)
         self.n_tail = layer.tail_k.shape[2]
@@ -65,6 +77,8 @@ class StaticLayer:
         )
         self._flush_if_due()
         self._views()
+        if self.quest is not None:
+            self.quest.prepare(layer, self.n_tail)
 
     @property
     def layer(self):
@@ -118,6 +132,8 @@ class StaticLayer:
         layer = self.layer
         layer.cumulative_length += 1
         self.n_tail += 1
+        if self.quest is not None:
+            self.quest.ran(layer, self.n_tail)
         if self.h2o is not None:
             # evict after the step with the tokens split between body and tail as the growing layer had them:
             # it encodes a page before the attention of the step that fills its tail (R = 0: that step's)
@@ -131,6 +147,8 @@ class StaticLayer:
             state.read_body = (layer.sink_k.shape[2], layer.key_store.n_tokens)
         self._flush_if_due()
         self._views()
+        if self.quest is not None:
+            self.quest.prepare(layer, self.n_tail)
 
     def _flush_if_due(self) -> None:
         p, r = self.page, self.residual
@@ -144,6 +162,8 @@ class StaticLayer:
             )
         if self.h2o is not None:
             self.h2o.flush(self.layer.sparse, ks.n_tokens, self.n_tail, p, self.layer.cumulative_length)
+        if self.quest is not None:
+            self.quest.flush(self.tail_k[:, :, :p], ks.n_tokens, self.layer.sink_k.shape[2])
         ks.append(self.tail_k[:, :, :p])
         vs.append(self.tail_v[:, :, :p])
         rest = self.n_tail - p
@@ -162,6 +182,8 @@ class StaticLayer:
         """Back to a growing layer (the tail copied out; the body keeps its reservation until it is full)."""
         if self.h2o is not None:
             self.h2o.release(self.layer)
+        if self.quest is not None:
+            self.quest.release(self.layer, self.tail_k[:, :, : self.n_tail])
         self.layer.tail_k = self.tail_k[:, :, : self.n_tail].clone()
         self.layer.tail_v = self.tail_v[:, :, : self.n_tail].clone()
         self.layer.static = None

@@ -190,8 +190,9 @@ def take_deferred(key: torch.Tensor):
 # -- the attention itself ----------------------------------------------------------------------------
 def attend_layer(query: torch.Tensor, layer, scaling: float, key: torch.Tensor, value: torch.Tensor
                  ) -> torch.Tensor:
-    """Attention of a deferred dense (not sparse) layer, or of an H2O layer held by a decode graph (whose
-    step adds the attention mass to the graph's score buffer, kvcompress.graph.static_h2o): query
+    """Attention of a deferred dense (not sparse) layer, or of an H2O or Quest layer held by a decode graph
+    (whose step adds the attention mass to the graph's score buffer, kvcompress.graph.static_h2o, or selects
+    its pages, kvcompress.graph.static_quest): query
     [B, Hq, q, D] -> [B, Hq, q, Dv]; the fused kernel for a decode step (q = 1), `prefill_attention` for a
     prefill chunk, whose own K/V [B, H, q, D] (what the deferred update returned) it attends to exactly, as
     the drop-in path does."""
@@ -204,8 +205,11 @@ def attend_layer(query: torch.Tensor, layer, scaling: float, key: torch.Tensor, 
 
     static = getattr(layer, "static", None)  # a decode graph's H2O layer: its step adds the mass to its scores
     scores = static.h2o.scores if static is not None and static.h2o is not None else None
-    out, probs = layer_decode_attention(layer, query[:, :, 0], scaling, backend="triton", row_starts=row_starts,
-                                        return_probs=scores is not None)
+    # a decode graph's Quest layer: the step selects its pages (kvcompress.graph.static_quest)
+    quest = static.quest if static is not None else None
+    page_list = quest.select(query[:, :, 0], scaling) if quest is not None else None
+    out, probs = layer_decode_attention(layer, query[:, :, 0], scaling, page_list, backend="triton",
+                                        row_starts=row_starts, return_probs=scores is not None)
     if scores is not None:
         scores.add_(probs)
     return out[:, :, None]

@@ -78,6 +78,17 @@ class SparseState:
         self.policy.reset()
 
     @property
+    def read_index(self) -> torch.Tensor | None:
+        """The last step's selection [B, H, n] (None: everything); a decode graph's Quest layer sets a function
+        that builds it only when asked (kvcompress.graph.static_quest)."""
+        index = self._read_index
+        return index() if callable(index) else index
+
+    @read_index.setter
+    def read_index(self, index) -> None:
+        self._read_index = index
+
+    @property
     def tokens_read(self) -> float:
         """Tokens per (row, kv head) the last step read, on average (0 before any step)."""
         if self.read_index is None:
