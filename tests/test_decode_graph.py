@@ -320,8 +320,8 @@ def test_generate_with_the_graph_method(model):
     """model.generate(custom_generate=graph_generate): the same greedy tokens as transformers' own loop over
     the same cache preset on the same fused path, for a left-padded batch; sampling runs the configured
     logits processors (top_k=1 makes it greedy, so its tokens are known); an EOS stops its row and pads it,
-    as transformers' loop does. Over nuq4+h2o-20 (evicting between steps), the same tokens as well, unpadded
-    (a graph) and padded (eager steps)."""
+    as transformers' loop does. Over nuq4+h2o-20 (evicting between steps) and Quest (1 or 2 pages of 8 read
+    of up to 5), the same tokens as well, unpadded (a graph) and padded (eager steps)."""
     cfg = small_pages(model, "nuq4")
     prompt = tokens(PROMPT, seed=6)
     mask = torch.ones(2, PROMPT, dtype=torch.long)
@@ -355,13 +355,14 @@ def test_generate_with_the_graph_method(model):
         **with_cache(CompressedCache(model.config, cfg)),
     )
     assert torch.equal(stopped, want) and (stopped[1, PROMPT + 1 :] == 0).all()
-    h2o = small_pages(model, "nuq4+h2o-20")  # a graph for the unpadded batch, eager steps for the padded one
-    for m in (torch.ones_like(mask), mask):
-        kw["attention_mask"] = m
-        want = model.generate(**kw, do_sample=False, **with_cache(CompressedCache(model.config, h2o)))
-        got = model.generate(**kw, do_sample=False, custom_generate=kvcompress.graph_generate,
-                             **with_cache(CompressedCache(model.config, h2o)))
-        assert torch.equal(got, want)
+    # sparse caches: a graph for the unpadded batch, eager steps for the padded one
+    for sparse in (small_pages(model, "nuq4+h2o-20"), small_quest(model, 24)):
+        for m in (torch.ones_like(mask), mask):
+            kw["attention_mask"] = m
+            want = model.generate(**kw, do_sample=False, **with_cache(CompressedCache(model.config, sparse)))
+            got = model.generate(**kw, do_sample=False, custom_generate=kvcompress.graph_generate,
+                                 **with_cache(CompressedCache(model.config, sparse)))
+            assert torch.equal(got, want)
     with pytest.raises(ConfigError, match="CompressedCache"):
         model.generate(**kw, custom_generate=kvcompress.graph_generate)
 
