@@ -156,16 +156,17 @@ def small_quest(model, budget: int, residual: int = 2, sinks: int = 0, **sparsit
     return KVCompressConfig(layout=cfg.layout, layers=layers, name=f"quest-{budget}-p8")
 
 
-@pytest.mark.parametrize("residual,prompt_len,sinks", [(2, 48, 0), (16, 160, 8)])
-def test_quest_steps_equal_the_growing_cache(model, residual, prompt_len, sinks):
-    """nuq4+quest (pages of 8, a 40-token budget: 2 to 4 pages read of up to 22, sink pages forced in): the
+@pytest.mark.parametrize("residual,prompt_len,sinks,ratio", [(2, 48, 0, 0.0), (16, 160, 8, 0.0), (2, 96, 0, 0.3)])
+def test_quest_steps_equal_the_growing_cache(model, residual, prompt_len, sinks, ratio):
+    """nuq4+quest (pages of 8, a 40-token budget: 2 to 4 pages read of up to 22, sink pages forced in; or 30 %
+    of the context, the pages read growing with it): the
     graph's steps score the page summaries in their fixed buffers and take the top pages by device counts the
     host sets. Every step's logits equal the growing cache's, the tokens read are the growing layer's
     selection, the buffers never move, and after release() the layer's summaries and pending keys are the
     growing layer's, so it goes on equal. (With residual 0 a graph step reads the newest page exact, as for
     every graph: kvcompress.graph.static_layer.)"""
     steps, after = 20, 4
-    cfg, new = small_quest(model, 40, residual, sinks), tokens(steps + after, seed=8)
+    cfg, new = small_quest(model, 0 if ratio else 40, residual, sinks, ratio=ratio), tokens(steps + after, seed=8)
     prompt = tokens(prompt_len)
     ref, cache = prefilled(model, cfg, prompt), prefilled(model, cfg, prompt)
     graph = DecodeGraph(model, cache, max_tokens=prompt_len + steps, use_graph=False)
