@@ -87,6 +87,27 @@ def steps_match_growing(model, ref, graph, new, mask):
             torch.testing.assert_close(graph.step(t), want, atol=ATOL, rtol=RTOL)
 
 
+def graph_then_growing(model, ref, cache, graph, new, steps: int, extra, each_step) -> None:
+    """Teacher-force new [B, n] through the growing cache `ref` and, for the first `steps`, through `graph`, then
+    release it and go on with `cache` growing: every step's logits agree, each_step(i) runs after step i, and
+    while the graph holds the cache layer 1's buffers (its pages, tail and `extra(layer)`) never move."""
+    addresses = None
+    with torch.no_grad():
+        for i in range(new.shape[1]):
+            if i == steps:
+                graph.release()
+            t = new[:, i : i + 1]
+            want = model(t, **with_cache(ref)).logits[:, -1]
+            got = graph.step(t) if i < steps else model(t, **with_cache(cache)).logits[:, -1]
+            torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
+            each_step(i)
+            layer = cache.layers[1]
+            if i < steps:
+                now = [x.data_ptr() for x in (*layer.key_store.buffers.values(), layer.static.tail_k, extra(layer))]
+                assert addresses is None or now == addresses
+                addresses = now
+
+
 @pytest.mark.parametrize("preset", ["nuq4", "int4", "fp8", "nuq3"])
 def test_fixed_address_steps_equal_the_growing_cache(model, preset):
     steps = 14
@@ -122,24 +143,15 @@ def test_h2o_steps_equal_the_growing_cache(model, residual, prompt_len):
     cfg, prompt, new = small_pages(model, "nuq4+h2o-20", residual), tokens(prompt_len), tokens(steps + after, seed=6)
     ref, cache = prefilled(model, cfg, prompt), prefilled(model, cfg, prompt)
     graph = DecodeGraph(model, cache, max_tokens=prompt_len + steps, use_graph=False)
-    addresses, evictions = None, 0
-    body = [layer.key_store.n_tokens for layer in cache.layers]
-    with torch.no_grad():
-        for i in range(steps + after):
-            if i == steps:
-                graph.release()
-            t = new[:, i : i + 1]
-            want = model(t, **with_cache(ref)).logits[:, -1]
-            got = graph.step(t) if i < steps else model(t, **with_cache(cache)).logits[:, -1]
-            torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
-            now_body = [layer.key_store.n_tokens for layer in cache.layers]
-            evictions += sum(n < was for n, was in zip(now_body, body))
-            body, layer = now_body, cache.layers[1]
-            if i < steps:
-                now = [x.data_ptr() for x in (*layer.key_store.buffers.values(), layer.static.tail_k,
-                                              layer.static.h2o.scores)]
-                assert addresses is None or now == addresses
-                addresses = now
+    body, evictions = [layer.key_store.n_tokens for layer in cache.layers], 0
+
+    def count_evictions(i):
+        nonlocal body, evictions
+        now = [layer.key_store.n_tokens for layer in cache.layers]
+        evictions += sum(n < was for n, was in zip(now, body))
+        body = now
+
+    graph_then_growing(model, ref, cache, graph, new, steps, lambda layer: layer.static.h2o.scores, count_evictions)
     assert evictions >= 2 and graph.eager_static_steps == steps
     for a, b in zip(ref.layers, cache.layers):
         assert a.held_tokens == b.held_tokens < 0.2 * (prompt_len + steps + after) + 2 * a.key_store.page_size
@@ -159,35 +171,24 @@ def small_quest(model, budget: int, residual: int = 2, sinks: int = 0, **sparsit
 @pytest.mark.parametrize("residual,prompt_len,sinks,ratio", [(2, 48, 0, 0.0), (16, 160, 8, 0.0), (2, 96, 0, 0.3)])
 def test_quest_steps_equal_the_growing_cache(model, residual, prompt_len, sinks, ratio):
     """nuq4+quest (pages of 8, a 40-token budget: 2 to 4 pages read of up to 22, sink pages forced in; or 30 %
-    of the context, the pages read growing with it): the
-    graph's steps score the page summaries in their fixed buffers and take the top pages by device counts the
-    host sets. Every step's logits equal the growing cache's, the tokens read are the growing layer's
-    selection, the buffers never move, and after release() the layer's summaries and pending keys are the
-    growing layer's, so it goes on equal. (With residual 0 a graph step reads the newest page exact, as for
+    of the context, the pages read growing with it): the graph's steps score the page summaries in their fixed
+    buffers and take the top pages by device counts the host sets. Every step's logits equal the growing
+    cache's, the tokens read are the growing layer's selection, the buffers never move, and after release()
+    the layer's summaries and pending keys are the growing layer's, so it goes on equal. (With residual 0 a graph step reads the newest page exact, as for
     every graph: kvcompress.graph.static_layer.)"""
     steps, after = 20, 4
     cfg, new = small_quest(model, 0 if ratio else 40, residual, sinks, ratio=ratio), tokens(steps + after, seed=8)
     prompt = tokens(prompt_len)
     ref, cache = prefilled(model, cfg, prompt), prefilled(model, cfg, prompt)
     graph = DecodeGraph(model, cache, max_tokens=prompt_len + steps, use_graph=False)
-    addresses = None
-    with torch.no_grad():
-        for i in range(steps + after):
-            if i == steps:
-                graph.release()
-            t = new[:, i : i + 1]
-            want = model(t, **with_cache(ref)).logits[:, -1]
-            got = graph.step(t) if i < steps else model(t, **with_cache(cache)).logits[:, -1]
-            torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
-            for a, b in zip(ref.layers, cache.layers):
-                assert b.sparse.tokens_read == a.sparse.tokens_read < a.held_tokens
-                torch.testing.assert_close(b.sparse.read_index, a.sparse.read_index, rtol=0, atol=0)
-            layer = cache.layers[1]
-            if i < steps:
-                now = [x.data_ptr() for x in (*layer.key_store.buffers.values(), layer.static.tail_k,
-                                              layer.static.quest.page_min)]
-                assert addresses is None or now == addresses
-                addresses = now
+
+    def same_tokens_read(i):
+        for a, b in zip(ref.layers, cache.layers):
+            assert b.sparse.tokens_read == a.sparse.tokens_read < a.held_tokens
+            torch.testing.assert_close(b.sparse.read_index, a.sparse.read_index, rtol=0, atol=0)
+
+    graph_then_growing(model, ref, cache, graph, new, steps, lambda layer: layer.static.quest.page_min,
+                       same_tokens_read)
     assert graph.eager_static_steps == steps
     for a, b in zip(ref.layers, cache.layers):
         assert a.held_tokens == b.held_tokens == prompt_len + steps + after  # Quest evicts nothing
