@@ -59,13 +59,13 @@ class StaticLayer:
         self.page, self.residual = p.page_size, p.residual
         self.max_tokens = max_tokens
         pages = -(-max(max_tokens - layer.sink_k.shape[2] - p.residual, 0) // p.page_size) + 1
-        if static_h2o_supported(layer):  # H2O: its budget bounds the body
+        h2o, quest = static_h2o_supported(layer), static_quest_supported(layer)
+        if h2o:  # H2O: its budget bounds the body
             pages = min(pages, h2o_room_pages(layer, max_tokens))
         layer.key_store.reserve(pages)
         layer.value_store.reserve(pages)
         size = p.residual + p.page_size
-        self.h2o = StaticH2O(layer, layer.key_store.capacity, size) if static_h2o_supported(layer) else None
-        quest = static_quest_supported(layer)
+        self.h2o = StaticH2O(layer, layer.key_store.capacity, size) if h2o else None
         self.quest = StaticQuest(layer, layer.key_store.capacity, max_tokens) if quest else None
         self.tail_k = self._buffer(layer.tail_k, size)
         self.tail_v = self._buffer(layer.tail_v, size)
@@ -163,7 +163,7 @@ class StaticLayer:
         if self.h2o is not None:
             self.h2o.flush(self.layer.sparse, ks.n_tokens, self.n_tail, p, self.layer.cumulative_length)
         if self.quest is not None:
-            self.quest.flush(self.tail_k[:, :, :p], ks.n_tokens, self.layer.sink_k.shape[2])
+            self.quest.flush(self.tail_k[:, :, :p], self.layer)
         ks.append(self.tail_k[:, :, :p])
         vs.append(self.tail_v[:, :, :p])
         rest = self.n_tail - p

@@ -5,7 +5,7 @@ the pages held and k change with the tokens; a captured step reads fixed shapes 
 - the page summaries live in buffers sized for the body's room, `page_min` / `page_max` [B, H, Sp + C, D]
   bfloat16 (Sp sink pages, then C body pages); the host writes a page's box when the page moves from the
   tail into the body (`flush`, from `StaticLayer`), from the same full-precision keys and rounded outward as
-  the growing layer's (`kvcompress.sparse.state.bf16_outward`);
+  the growing layer's (`kvcompress.sparse.state.page_boxes`);
 - the pages held (`n_pages`) and the pages this step takes (`k`) are [1] integers on the device that the host
   updates between replays (`prepare`, host integers only);
 - in the step (`select`, captured): every page of the buffers is scored (`quest_page_scores`; pages past
@@ -22,31 +22,23 @@ from __future__ import annotations
 import torch
 
 from kvcompress.config import ConfigError
+from kvcompress.sparse.state import page_boxes
 
 _NONE = torch.iinfo(torch.int32).max  # a dropped rank: sorts after every page
 
 
 def static_quest_supported(layer) -> bool:
-    """Whether a decode graph can hold this sparse layer: Quest over quantized pages of a GQA layer that the
-    fused kernel reads with a page list (Quest pages = the body's pages, whole sink pages), k pages for every
-    kv head (no budget sharing) and no page means."""
+    """Whether a decode graph can hold this sparse layer: Quest over quantized pages of a GQA layer whose decode
+    steps the fused kernel reads with a page list (`fused_supported`: Quest pages = the body's pages, whole sink
+    pages, no page means), k pages for every kv head (no budget sharing)."""
+    from kvcompress.kernels.attention_backend import fused_supported
     from kvcompress.sparse.quest import QuestPolicy
 
     sparse = getattr(layer, "sparse", None)
     if sparse is None or not getattr(layer, "compressed", False) or getattr(layer, "mla_latent", False):
         return False
-    policy, page = sparse.policy, layer.key_store.page_size
-    return (type(policy) is QuestPolicy and policy.budget_sharing == "none" and not policy.unread_means
-            and policy.page_size == page and layer.sink_k.shape[2] % page == 0)
-
-
-def page_boxes(keys: torch.Tensor, page: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """keys [B, H, n * page, D] -> each page's (min, max) [B, H, n, D] bfloat16, rounded outward, as the
-    growing layer summarises its pages (kvcompress.sparse.state)."""
-    from kvcompress.sparse.state import bf16_outward
-
-    pages = keys.float().reshape(*keys.shape[:2], -1, page, keys.shape[-1])
-    return bf16_outward(pages.amin(3), down=True), bf16_outward(pages.amax(3), down=False)
+    policy = sparse.policy
+    return type(policy) is QuestPolicy and policy.budget_sharing == "none" and fused_supported(layer)
 
 
 class StaticQuest:
@@ -68,7 +60,6 @@ class StaticQuest:
         self.page_max = torch.zeros_like(self.page_min)
         self.page_min[:, :, :held] = state.page_min[:, :, :held]
         self.page_max[:, :, :held] = state.page_max[:, :, :held]
-        self.n_held = held
         self.n_pages = torch.tensor([held], dtype=torch.int64, device=dev)
         # the most pages a step takes: the budget at max_tokens less the one tail token every step reads
         self.k_max = max(1, min(n_max, (state.policy.token_budget(max_tokens) - 1) // p))
@@ -98,23 +89,25 @@ class StaticQuest:
         return torch.where((sel != _NONE) & (body >= 0), body, -1)
 
     # -- on the host, between replays ----------------------------------------------------------------
-    def flush(self, keys: torch.Tensor, n_body: int, sinks: int) -> None:
-        """keys [B, H, P, D]: the page becoming body page n_body // P (full precision): write its box."""
-        i = (sinks + n_body) // self.page
-        if i >= self.page_min.shape[2]:
-            raise ConfigError("Quest's page summaries are full: build the DecodeGraph with a larger max_tokens")
-        mn, mx = page_boxes(keys, self.page)
+    def held_pages(self, layer) -> int:
+        """Pages the layer holds in its sinks and body (the candidates; the tail is read whole)."""
+        return (layer.sink_k.shape[2] + layer.key_store.n_tokens) // self.page
+
+    def flush(self, keys: torch.Tensor, layer) -> None:
+        """keys [B, H, P, D]: the page about to become the layer's next body page (full precision): write its box
+        (the buffers hold the body's whole reservation, which StaticLayer checked)."""
+        i = self.held_pages(layer)
+        mn, mx = page_boxes(keys.float()[:, :, None])
         self.page_min[:, :, i : i + 1] = mn
         self.page_max[:, :, i : i + 1] = mx
-        self.n_held = i + 1
-        self.n_pages.fill_(self.n_held)
+        self.n_pages.fill_(i + 1)
 
     def prepare(self, layer, n_tail: int) -> None:
         """Set k for the next step, which will hold one more token, n_tail + 1 of them in the tail: the growing
         layer's k, min((budget - tail) // P, candidate pages) (kvcompress.sparse.quest.QuestPolicy.select)."""
         policy = layer.sparse.policy
         budget = policy.token_budget(layer.cumulative_length + 1)
-        k = min(max((budget - n_tail - 1) // self.page, 0), self.n_held, self.k_max)
+        k = min(max((budget - n_tail - 1) // self.page, 0), self.held_pages(layer), self.k_max)
         if k != self.k_host:
             self.k_host = k
             self.k.fill_(k)
@@ -141,10 +134,10 @@ class StaticQuest:
         tail's, tail_k [B, H, T, D]), as the growing layer keeps them."""
         from kvcompress.sparse.state import complete_pages
 
-        state = layer.sparse
+        state, held = layer.sparse, self.held_pages(layer)
         pages, state.pending_keys = complete_pages(None, tail_k, self.page)
-        mn, mx = self.page_min[:, :, : self.n_held].clone(), self.page_max[:, :, : self.n_held].clone()
+        mn, mx = self.page_min[:, :, :held].clone(), self.page_max[:, :, :held].clone()
         if pages is not None:
-            t_mn, t_mx = page_boxes(pages.flatten(2, 3), self.page)
+            t_mn, t_mx = page_boxes(pages)
             mn, mx = torch.cat([mn, t_mn], 2), torch.cat([mx, t_mx], 2)
         state.page_min, state.page_max = mn, mx

@@ -166,7 +166,7 @@ class SparseState:
         given); keep the partial page's keys (and values)."""
         pages, self.pending_keys = complete_pages(self.pending_keys, new_keys, self.policy.page_size)
         if pages is not None:
-            mn, mx = bf16_outward(pages.amin(3), down=True), bf16_outward(pages.amax(3), down=False)
+            mn, mx = page_boxes(pages)
             self.page_min = append_pages(self.page_min, mn)
             self.page_max = append_pages(self.page_max, mx)
         if new_values is not None:
@@ -196,6 +196,12 @@ def complete_pages(pending: torch.Tensor | None, new: torch.Tensor, p: int):
     n = x.shape[2] // p * p
     pages = x[:, :, :n].reshape(*x.shape[:2], n // p, p, x.shape[3]) if n else None
     return pages, x[:, :, n:].clone()
+
+
+def page_boxes(pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """pages [B, H, n, P, D] float32 keys -> each page's (min, max) [B, H, n, D] bfloat16, rounded outward (the
+    min down, the max up), so each box contains every key of its page."""
+    return bf16_outward(pages.amin(3), down=True), bf16_outward(pages.amax(3), down=False)
 
 
 def append_pages(held: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
